@@ -1,0 +1,36 @@
+# Set-up and the two README commands. Everything lives in ./.venv; torch is installed first
+# from the CPU build (a bare `torch` requirement would pull a multi-GB CUDA wheel).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export RAY_TMPDIR ?= /tmp/ray_xlong_ray
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+
+.PHONY: setup run test test-all bench-smoke clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+# The main job. Until the elastic loop lands it runs the trajectory processor example.
+run: setup
+	$(BIN)/python examples/trajectory_connector_alone.py
+
+# Default suite: fast, CPU only.
+test: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Everything, slow / multi-node / benchmark smoke runs included (what CI runs).
+test-all: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .cache

@@ -1,0 +1,1 @@
+"""Ray and RLlib adapters: the only layer (with rollout) that imports ray."""
