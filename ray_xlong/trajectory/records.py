@@ -1,0 +1,240 @@
+"""Token-exact records of an agent run: :class:`ModelCall` and :class:`AgentRun`.
+
+A ``ModelCall`` is one request to the inference engine, recorded exactly as the engine saw it:
+``input_ids`` is the full context sent, ``output_ids`` exactly what it generated, one behaviour
+logprob per output token. A ``AgentRun`` is one agent attempt at one task: its calls in the order
+they were issued, its reward and how it ended.
+
+Invariants (checked at construction; every error names the field and the run / call):
+
+* Token in, token out: ids are stored as the caller gave them when they already are 1-D integer
+  numpy arrays (no copy, so a paper-scale run whose inputs are views of one growing context stays
+  one buffer); lists are converted once to ``int64`` arrays. Nothing is ever re-tokenized.
+* ``len(output_logprobs) == len(output_ids)``; logprobs are finite and ``<= 0``.
+* Ids are non-negative integers; ``input_ids`` is never empty.
+* ``kind`` is one of :data:`CALL_KINDS`; a ``subagent`` call names its ``parent_agent_id``;
+  within a run, parents exist, call ids are unique, an agent's calls of one kind name one
+  parent.
+* ``status`` is one of :data:`RUN_STATUSES`; ``reward`` is finite.
+
+Arrays are marked read-only on the record (a view is made when the caller's array is writable,
+so the caller's own buffer is left as it was).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Sequence
+
+import numpy as np
+
+CallKind = Literal["main", "summary", "subagent"]
+RunStatus = Literal["finished", "timeout", "failed"]
+
+CALL_KINDS: tuple[str, ...] = ("main", "summary", "subagent")
+RUN_STATUSES: tuple[str, ...] = ("finished", "timeout", "failed")
+
+
+class RecordError(ValueError):
+    """A record is malformed. The message names the offending field and the run / call."""
+
+
+def _where(run_id: str | None, call_id: str | None) -> str:
+    parts = []
+    if run_id is not None:
+        parts.append(f"run {run_id!r}")
+    if call_id is not None:
+        parts.append(f"call {call_id!r}")
+    return ", ".join(parts) or "record"
+
+
+def as_token_array(ids: object, *, field: str, where: str, allow_empty: bool) -> np.ndarray:
+    """Validate token ids and return them as a read-only 1-D integer array.
+
+    Args:
+        ids: a sequence of ints or a 1-D integer numpy array (shape ``[n]``).
+        field: the field name, for errors.
+        where: the run / call, for errors.
+        allow_empty: whether ``n == 0`` is valid.
+
+    Returns:
+        A read-only ``[n]`` integer array; the caller's array itself when it already was one
+        (or a read-only view of it), so no token is copied.
+    """
+    if isinstance(ids, np.ndarray):
+        arr = ids
+        if arr.dtype.kind not in "iu":
+            raise RecordError(f"{where}: {field} must hold integers, got dtype {arr.dtype}")
+    else:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise RecordError(f"{where}: {field} must be a list or 1-D integer array, "
+                              f"got {type(ids).__name__}")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            bad = next(t for t in ids
+                       if not isinstance(t, (int, np.integer)) or isinstance(t, bool))
+            raise RecordError(f"{where}: {field} must hold integers, found {bad!r}")
+        arr = np.asarray(ids, dtype=np.int64)
+    if arr.ndim != 1:
+        raise RecordError(f"{where}: {field} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0 and not allow_empty:
+        raise RecordError(f"{where}: {field} is empty")
+    if arr.size and arr.dtype.kind == "i" and arr.min() < 0:
+        raise RecordError(f"{where}: {field} holds a negative id ({int(arr.min())})")
+    return _read_only(arr)
+
+
+def _read_only(arr: np.ndarray) -> np.ndarray:
+    if arr.flags.writeable:
+        arr = arr.view()
+        arr.flags.writeable = False
+    return arr
+
+
+def _as_logprobs(values: object, *, n: int, where: str) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64) if not isinstance(values, np.ndarray) else values
+    if arr.dtype.kind != "f":
+        try:
+            arr = arr.astype(np.float64)
+        except (TypeError, ValueError) as exc:
+            raise RecordError(f"{where}: output_logprobs must be floats ({exc})") from exc
+    if arr.ndim != 1:
+        raise RecordError(f"{where}: output_logprobs must be 1-D, got shape {arr.shape}")
+    if arr.size != n:
+        raise RecordError(f"{where}: output_logprobs has {arr.size} values for {n} output_ids")
+    if arr.size and not np.all(np.isfinite(arr)):
+        raise RecordError(f"{where}: output_logprobs holds NaN or infinite values")
+    if arr.size and arr.max() > 0.0:
+        raise RecordError(f"{where}: output_logprobs holds a value > 0 ({float(arr.max())})")
+    return _read_only(arr)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class ModelCall:
+    """One request to the inference engine, token-exact."""
+
+    call_id: str
+    """Unique within the run."""
+    agent_id: str
+    """The agent that made the call (the main agent, a summarizer, a subagent instance)."""
+    kind: CallKind
+    """``main`` | ``summary`` | ``subagent``."""
+    input_ids: np.ndarray
+    """The full context sent to the engine, ``[n_in]`` ints (n_in >= 1)."""
+    output_ids: np.ndarray
+    """Exactly the tokens the engine generated, ``[n_out]`` ints."""
+    output_logprobs: np.ndarray
+    """Behaviour logprob of each output token, ``[n_out]`` floats <= 0."""
+    policy_version: int
+    """Number of optimizer steps applied to the weights that generated the output."""
+    parent_agent_id: str | None = None
+    """The agent that spawned this one (required for ``subagent``; optional for ``summary``)."""
+    start_time: float = 0.0
+    """Wall-clock seconds when the request was sent (informational)."""
+    end_time: float = 0.0
+    """Wall-clock seconds when the response arrived (informational)."""
+    run_id: str | None = None
+    """The run this call belongs to, when known (used in error messages)."""
+
+    def __post_init__(self) -> None:
+        where = _where(self.run_id, self.call_id)
+        for name in ("call_id", "agent_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise RecordError(f"{where}: {name} must be a non-empty string, got {value!r}")
+        if self.kind not in CALL_KINDS:
+            raise RecordError(f"{where}: kind {self.kind!r} is not one of {CALL_KINDS}")
+        if self.kind == "subagent" and not self.parent_agent_id:
+            raise RecordError(f"{where}: parent_agent_id is required for a subagent call")
+        if self.parent_agent_id is not None and self.parent_agent_id == self.agent_id:
+            raise RecordError(f"{where}: parent_agent_id equals agent_id {self.agent_id!r}")
+        version = self.policy_version
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+            raise RecordError(f"{where}: policy_version must be an int >= 0, got {version!r}")
+        inp = as_token_array(self.input_ids, field="input_ids", where=where, allow_empty=False)
+        out = as_token_array(self.output_ids, field="output_ids", where=where, allow_empty=True)
+        lps = _as_logprobs(self.output_logprobs, n=out.size, where=where)
+        if not (math.isfinite(self.start_time) and math.isfinite(self.end_time)):
+            raise RecordError(f"{where}: start_time / end_time must be finite")
+        object.__setattr__(self, "input_ids", inp)
+        object.__setattr__(self, "output_ids", out)
+        object.__setattr__(self, "output_logprobs", lps)
+        object.__setattr__(self, "policy_version", int(version))
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the context after this call: ``len(input_ids) + len(output_ids)``."""
+        return int(self.input_ids.size + self.output_ids.size)
+
+    def __repr__(self) -> str:
+        return (f"ModelCall({self.call_id!r}, agent={self.agent_id!r}, kind={self.kind}, "
+                f"in={self.input_ids.size}, out={self.output_ids.size}, v={self.policy_version})")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class AgentRun:
+    """One agent attempt at one task: its calls, in order, and how it ended."""
+
+    run_id: str
+    """Unique within a batch."""
+    group_id: str
+    """The group (task × step) the run belongs to; advantages are computed per group."""
+    calls: Sequence[ModelCall]
+    """The run's model calls in the order they were issued (stored as a tuple)."""
+    reward: float
+    """The task's score of the final (or, for a timeout, partial) state. Finite."""
+    status: RunStatus
+    """``finished`` | ``timeout`` (scored partial work, trained) | ``failed`` (not trained)."""
+
+    def __post_init__(self) -> None:
+        where = _where(self.run_id if isinstance(self.run_id, str) else None, None)
+        for name in ("run_id", "group_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise RecordError(f"{where}: {name} must be a non-empty string, got {value!r}")
+        if self.status not in RUN_STATUSES:
+            raise RecordError(f"{where}: status {self.status!r} is not one of {RUN_STATUSES}")
+        reward = self.reward
+        if isinstance(reward, bool) or not isinstance(reward, (int, float, np.floating,
+                                                               np.integer)):
+            raise RecordError(f"{where}: reward must be a number, got {reward!r}")
+        if not math.isfinite(float(reward)):
+            raise RecordError(f"{where}: reward must be finite, got {reward!r}")
+        object.__setattr__(self, "reward", float(reward))
+        calls = tuple(self.calls)
+        object.__setattr__(self, "calls", calls)
+        _check_calls(calls, where)
+
+    @property
+    def num_tokens(self) -> int:
+        """Σ over calls of output tokens (the tokens the model generated in this run)."""
+        return int(sum(c.output_ids.size for c in self.calls))
+
+    def __repr__(self) -> str:
+        return (f"AgentRun({self.run_id!r}, group={self.group_id!r}, calls={len(self.calls)}, "
+                f"reward={self.reward:g}, status={self.status})")
+
+
+def _check_calls(calls: tuple[ModelCall, ...], where: str) -> None:
+    """Run-level consistency: unique call ids, known parents, one parent per agent and kind."""
+    seen_calls: set[str] = set()
+    parents: dict[tuple[str, str], str | None] = {}
+    for i, call in enumerate(calls):
+        if not isinstance(call, ModelCall):
+            raise RecordError(f"{where}: calls[{i}] is a {type(call).__name__}, not a ModelCall")
+        if call.call_id in seen_calls:
+            raise RecordError(f"{where}: call_id {call.call_id!r} is duplicated")
+        seen_calls.add(call.call_id)
+        key = (call.agent_id, call.kind)
+        known = parents.setdefault(key, call.parent_agent_id)
+        if known != call.parent_agent_id:
+            raise RecordError(
+                f"{where}, call {call.call_id!r}: parent_agent_id {call.parent_agent_id!r} "
+                f"differs from {known!r}, given by earlier {call.kind} calls of agent "
+                f"{call.agent_id!r}")
+    agents = {agent for agent, _ in parents}
+    for call in calls:
+        parent = call.parent_agent_id
+        if parent is not None and parent not in agents:
+            raise RecordError(f"{where}, call {call.call_id!r}: parent_agent_id {parent!r} "
+                              f"names no agent of this run")
