@@ -1,0 +1,68 @@
+"""Scheduling events: the one record both actuators emit and every policy reads.
+
+An :class:`Event` is something that *happened* at a time on a cell (a run started or ended, a
+cell changed role, a step began or ended). The simulator emits them against a virtual clock; the
+Ray driver (issue 5) emits the same records against the wall clock, so one timeline plot and one
+set of checks serve both. Events are flat, frozen and JSON-serialisable: ``-1`` marks a field
+that does not apply (a step event has no run).
+
+Invariants: ``time`` never decreases along a log; ``kind`` is one of :data:`KINDS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Iterable
+
+KINDS = (
+    "start",  # the clock starts; no cell
+    "run_started",  # run `run` of group `group` began on `cell` with weights `version`
+    "run_ended",  # that run ended on the same cell
+    "role",  # `cell` entered `role` (switch / sync delays end at the matching `ready` event)
+    "ready",  # `cell` finished its switch or sync and works in its role from now on
+    "step_started",  # step `step` began (its first cell is `cell`)
+    "step_joined",  # `cell` joined step `step` in progress
+    "step_starved",  # step `step` consumed all ready work and waits for groups
+    "step_ended",  # step `step` applied: policy version is now `step + 1`
+    "finish",  # every step trained; no cell
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One thing that happened; the input of a policy and one line of the event log."""
+
+    time: float
+    """Hours since the start of the job."""
+    kind: str
+    """One of :data:`KINDS`."""
+    cell: int = -1
+    """Cell index, or -1 for cluster-wide events."""
+    run: int = -1
+    """Run id (``run_started`` / ``run_ended``), else -1."""
+    group: int = -1
+    """Group id of ``run``, else -1."""
+    step: int = -1
+    """Step index (``step_*``), else -1."""
+    version: int = -1
+    """Policy version of the weights involved (run start, step end), else -1."""
+    role: str = ""
+    """New role for ``role`` events, else empty."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Event.kind: unknown kind {self.kind!r}; expected one of {KINDS}")
+        if self.time < 0:
+            raise ValueError(f"Event.time: must be >= 0, got {self.time}")
+
+
+def to_jsonl(events: Iterable[Event]) -> str:
+    """Serialise events, one JSON object per line (fields as in :class:`Event`)."""
+    return "".join(json.dumps(dataclasses.asdict(e), separators=(",", ":")) + "\n" for e in events)
+
+
+def from_jsonl(text: str) -> list[Event]:
+    """Parse :func:`to_jsonl` output back into events (blank lines are skipped)."""
+    return [Event(**json.loads(line)) for line in text.splitlines() if line.strip()]

@@ -1,0 +1,114 @@
+"""Group ledger: which runs may start, which groups are ready, which step trains which group.
+
+The staleness bound ``b`` is kept by construction, in two rules:
+
+* **Admission** — while the policy version is ``v``, at most ``(v + b + 1) * B`` groups may have
+  started (rollout runs at most ``b`` steps ahead). A group's version is the version its first
+  run started with (its oldest tokens), so it is the conservative one.
+* **Selection** — step ``s`` must take every group of version ``<= s - b`` (*mandatory*); it
+  takes ready groups oldest version first and keeps a place for each mandatory group still
+  running. Admission guarantees at most ``B`` mandatory groups per step.
+
+So every group is trained at a step ``s`` with ``s - version <= b``; :meth:`GroupLedger.take`
+checks it anyway and raises :class:`StalenessError` if the arithmetic were ever broken.
+Runs are numbered in start order; run ``r`` belongs to group ``r // G``.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from ray_xlong.scheduling.state import SchedulingConfig
+
+
+class StalenessError(RuntimeError):
+    """A group would be trained further than ``staleness_bound`` from its version."""
+
+
+class GroupLedger:
+    """Counts and queues for runs and groups; pure bookkeeping, no clock."""
+
+    def __init__(self, config: SchedulingConfig) -> None:
+        self.config = config
+        n = config.total_groups
+        self.next_run = 0
+        self.group_version = [-1] * n
+        self.runs_left = [config.runs_per_group] * n
+        self.trained_step = [-1] * n
+        self._ready: list[tuple[int, int]] = []  # (version, group), untaken
+        self._untaken: dict[int, int] = {}  # version -> started groups not yet taken
+        self._untaken_ready: dict[int, int] = {}  # version -> ready groups not yet taken
+
+    # -- admission -------------------------------------------------------------------------
+    def admitted_groups(self, version: int) -> int:
+        """Groups that may have started while the policy version is ``version``."""
+        cfg = self.config
+        return min(cfg.total_groups, (version + cfg.staleness_bound + 1) * cfg.batch_groups)
+
+    def startable_runs(self, version: int) -> int:
+        """Runs that may start now."""
+        return max(0, self.admitted_groups(version) * self.config.runs_per_group - self.next_run)
+
+    def start_runs(self, count: int, version: int) -> list[int]:
+        """Hand out the next ``count`` run ids, stamping new groups with ``version``."""
+        if count > self.startable_runs(version):
+            raise ValueError(
+                f"StartRuns.count: {count} exceeds the {self.startable_runs(version)} runs the "
+                f"staleness bound admits at version {version}"
+            )
+        runs = list(range(self.next_run, self.next_run + count))
+        g_size = self.config.runs_per_group
+        for run in runs:
+            group = run // g_size
+            if run % g_size == 0:
+                self.group_version[group] = version
+                self._untaken[version] = self._untaken.get(version, 0) + 1
+        self.next_run += count
+        return runs
+
+    # -- completion ------------------------------------------------------------------------
+    def run_ended(self, run: int) -> bool:
+        """Record that ``run`` ended; True when its group became ready (all runs ended)."""
+        group = run // self.config.runs_per_group
+        if self.runs_left[group] <= 0:
+            raise ValueError(f"run_ended.run: run {run} of group {group} ended twice")
+        self.runs_left[group] -= 1
+        if self.runs_left[group]:
+            return False
+        version = self.group_version[group]
+        heapq.heappush(self._ready, (version, group))
+        self._untaken_ready[version] = self._untaken_ready.get(version, 0) + 1
+        return True
+
+    @property
+    def ready_groups(self) -> int:
+        """Ended groups not yet taken by a step."""
+        return len(self._ready)
+
+    # -- selection -------------------------------------------------------------------------
+    def _mandatory_running(self, step: int) -> int:
+        cutoff = step - self.config.staleness_bound
+        return sum(n - self._untaken_ready.get(v, 0) for v, n in self._untaken.items() if v <= cutoff)
+
+    def takeable(self, step: int, taken: int) -> int:
+        """Groups step ``step`` (holding ``taken``) may take now."""
+        room = self.config.batch_groups - taken - self._mandatory_running(step)
+        return max(0, min(len(self._ready), room))
+
+    def take(self, step: int, taken: int) -> list[int]:
+        """Give step ``step`` every group it may take now (oldest version first)."""
+        out = []
+        for _ in range(self.takeable(step, taken)):
+            version, group = heapq.heappop(self._ready)
+            if step - version > self.config.staleness_bound:
+                raise StalenessError(
+                    f"group {group} (version {version}) at step {step} exceeds "
+                    f"staleness_bound={self.config.staleness_bound}"
+                )
+            for table in (self._untaken, self._untaken_ready):
+                table[version] -= 1
+                if not table[version]:
+                    del table[version]
+            self.trained_step[group] = step
+            out.append(group)
+        return out

@@ -1,0 +1,205 @@
+"""Cell state machine: validates every move and keeps the authoritative cell table and log.
+
+Both actuators (the simulator, the Ray driver) own one :class:`CellMachine`. A policy's move goes
+through :meth:`CellMachine.apply` *before* the actuator acts, so an illegal move fails loudly
+with :class:`TransitionError` naming the move and the cell, and nothing half-happens.
+
+Invariants checked on every transition:
+
+* a cell leaves rollout / draining only with no live runs (never interrupts a run);
+* runs start only on a ready rollout cell with free slots, within the staleness admission;
+* a run ends on the cell that started it, once;
+* steps start in order (step == version), one at a time; only idle trainers sync, at the
+  current version; staleness <= bound (:class:`~ray_xlong.scheduling.ledger.GroupLedger`).
+
+The machine also writes the event log (:class:`~ray_xlong.scheduling.events.Event`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ray_xlong.scheduling.events import Event
+from ray_xlong.scheduling.ledger import GroupLedger
+from ray_xlong.scheduling.moves import Drain, JoinStep, Move, Reserve, StartRuns, StartTraining, Sync
+from ray_xlong.scheduling.state import CellState, ClusterState, Role, SchedulingConfig
+
+INF = float("inf")
+
+
+class TransitionError(RuntimeError):
+    """A move or actuator report that breaks the cell state machine."""
+
+
+class CellMachine:
+    """Mutable cell table + group ledger + event log; see the module docstring."""
+
+    def __init__(self, config: SchedulingConfig, *, slots: Sequence[int]) -> None:
+        if not slots or min(slots) < 1:
+            raise ValueError(f"CellMachine.slots: need >= 1 cell with >= 1 slot, got {slots}")
+        self.config = config
+        self.ledger = GroupLedger(config)
+        self.slots = tuple(slots)
+        n = len(slots)
+        self.role = [Role.ROLLOUT] * n
+        self.step_of = [-1] * n
+        self.ready_at = [0.0] * n
+        self.live: list[dict[int, float]] = [{} for _ in range(n)]  # run -> start time
+        self.run_cell: dict[int, int] = {}
+        self.version = 0
+        self.step = -1
+        self.step_groups = 0
+        self.step_starved = False
+        self.log: list[Event] = [Event(0.0, "start")]
+
+    # -- moves -----------------------------------------------------------------------------
+    def apply(self, move: Move, now: float) -> list[int]:
+        """Validate and apply ``move``; returns the run ids started (StartRuns), else []."""
+        if not 0 <= move.cell < len(self.slots):
+            raise TransitionError(f"{move}: no cell {move.cell}")
+        if isinstance(move, StartRuns):
+            return self._start_runs(move, now)
+        if isinstance(move, Drain):
+            self._expect(move, Role.ROLLOUT)
+            self._set_role(move.cell, Role.DRAINING, now)
+        elif isinstance(move, Reserve):
+            self._enter_training(move, now)
+        elif isinstance(move, StartTraining):
+            if self.step >= 0 or move.step != self.version or self.done:
+                raise TransitionError(
+                    f"{move}: steps start in order, one at a time "
+                    f"(version {self.version}, step in progress {self.step})"
+                )
+            self._enter_training(move, now)
+            self.step, self.step_groups, self.step_starved = move.step, 0, False
+            self.step_of[move.cell] = move.step
+            self.log.append(Event(now, "step_started", cell=move.cell, step=move.step))
+        elif isinstance(move, JoinStep):
+            if self.step < 0 or move.step != self.step:
+                raise TransitionError(f"{move}: step in progress is {self.step}")
+            self._enter_training(move, now)
+            self.step_of[move.cell] = move.step
+            self.log.append(Event(now, "step_joined", cell=move.cell, step=move.step))
+        elif isinstance(move, Sync):
+            self._expect(move, Role.TRAINING)
+            if self.step_of[move.cell] >= 0 or move.version != self.version:
+                raise TransitionError(
+                    f"{move}: only an idle trainer syncs, to the current version {self.version}"
+                )
+            self._set_role(move.cell, Role.SYNCING, now)
+        else:
+            raise TransitionError(f"unknown move {move!r}")
+        return []
+
+    def _expect(self, move: Move, *roles: Role) -> None:
+        if self.role[move.cell] not in roles:
+            names = "/".join(r.value for r in roles)
+            raise TransitionError(f"{move}: cell {move.cell} is {self.role[move.cell].value}, not {names}")
+
+    def _enter_training(self, move: Move, now: float) -> None:
+        cell = move.cell
+        if self.role[cell] is Role.TRAINING:
+            if self.step_of[cell] >= 0:
+                raise TransitionError(f"{move}: cell {cell} is already training step {self.step_of[cell]}")
+            return
+        self._expect(move, Role.ROLLOUT, Role.DRAINING)
+        if self.live[cell]:
+            raise TransitionError(
+                f"{move}: cell {cell} has {len(self.live[cell])} live runs; "
+                "a cell leaves rollout only when empty"
+            )
+        self._set_role(cell, Role.TRAINING, now)
+
+    def _set_role(self, cell: int, role: Role, now: float) -> None:
+        self.role[cell] = role
+        self.log.append(Event(now, "role", cell=cell, role=role.value))
+
+    def _start_runs(self, move: StartRuns, now: float) -> list[int]:
+        cell = move.cell
+        self._expect(move, Role.ROLLOUT)
+        if move.count < 1 or move.count > self.slots[cell] - len(self.live[cell]):
+            raise TransitionError(
+                f"{move}: count must be 1..{self.slots[cell] - len(self.live[cell])} (free slots)"
+            )
+        runs = self.ledger.start_runs(move.count, self.version)
+        g_size = self.config.runs_per_group
+        for run in runs:
+            self.live[cell][run] = now
+            self.run_cell[run] = cell
+            self.log.append(
+                Event(now, "run_started", cell=cell, run=run, group=run // g_size, version=self.version)
+            )
+        return runs
+
+    # -- actuator reports ------------------------------------------------------------------
+    def run_ended(self, cell: int, run: int, now: float) -> bool:
+        """A run ended; True when its group became ready. Raises if it was not live on ``cell``."""
+        if self.run_cell.get(run) != cell or run not in self.live[cell]:
+            raise TransitionError(
+                f"run_ended: run {run} is not live on cell {cell} (started on {self.run_cell.get(run)})"
+            )
+        del self.live[cell][run]
+        self.log.append(Event(now, "run_ended", cell=cell, run=run, group=run // self.config.runs_per_group))
+        return self.ledger.run_ended(run)
+
+    def busy_until(self, cell: int, ready_at: float) -> None:
+        """The actuator's switch / sync on ``cell`` ends at ``ready_at``."""
+        self.ready_at[cell] = ready_at
+
+    def cell_ready(self, cell: int, now: float) -> None:
+        """A switch or sync ended; a syncing cell returns to rollout."""
+        self.log.append(Event(now, "ready", cell=cell))
+        if self.role[cell] is Role.SYNCING:
+            self._set_role(cell, Role.ROLLOUT, now)
+
+    def take_groups(self) -> list[int]:
+        """Groups the step in progress may take now (empty when none is in progress)."""
+        if self.step < 0:
+            return []
+        groups = self.ledger.take(self.step, self.step_groups)
+        self.step_groups += len(groups)
+        return groups
+
+    def set_starved(self, starved: bool, now: float) -> None:
+        """The actuator reports whether the step in progress waits for groups."""
+        if starved and not self.step_starved:
+            self.log.append(Event(now, "step_starved", step=self.step))
+        self.step_starved = starved
+
+    def end_step(self, now: float) -> None:
+        """The step in progress is applied: version + 1, its cells become idle trainers."""
+        if self.step < 0 or self.step_groups != self.config.batch_groups:
+            raise TransitionError(f"end_step: step {self.step} holds {self.step_groups} groups")
+        self.log.append(Event(now, "step_ended", step=self.step, version=self.version + 1))
+        self.step_of = [-1 if s == self.step else s for s in self.step_of]
+        self.version, self.step, self.step_groups, self.step_starved = self.version + 1, -1, 0, False
+        if self.done:
+            self.log.append(Event(now, "finish"))
+
+    @property
+    def done(self) -> bool:
+        """Every step trained."""
+        return self.version >= self.config.total_steps
+
+    # -- snapshot --------------------------------------------------------------------------
+    def snapshot(self, now: float) -> ClusterState:
+        """Immutable picture for a policy."""
+        cells = tuple(
+            CellState(
+                cell=c, role=self.role[c], live_runs=len(self.live[c]), slots=self.slots[c],
+                step=self.step_of[c], ready_at=self.ready_at[c],
+                oldest_run_start=next(iter(self.live[c].values()), INF),
+            )
+            for c in range(len(self.slots))
+        )
+        ledger = self.ledger
+        next_step = self.step if self.step >= 0 else self.version
+        return ClusterState(
+            time=now, config=self.config, cells=cells, version=self.version, step=self.step,
+            step_groups=self.step_groups, step_starved=self.step_starved,
+            ready_groups=ledger.ready_groups,
+            takeable_groups=ledger.takeable(next_step, self.step_groups) if not self.done else 0,
+            startable_runs=ledger.startable_runs(self.version),
+            unstarted_runs=self.config.total_runs - ledger.next_run,
+            live_runs=sum(c.live_runs for c in cells),
+        )

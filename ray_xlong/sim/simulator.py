@@ -1,0 +1,190 @@
+"""Discrete-event simulator: the actuator that applies a policy's moves to a virtual clock.
+
+```
+heap of (time, seq, what) ──pop──► report to CellMachine ──► policy.decide(snapshot, event)
+        ▲                                                          │ moves
+        └── run ends, switch/sync ends, step work exhausted ◄── apply (validated by machine)
+```
+
+Training is a fluid: the step in progress holds the cell-hours of the groups it took; the
+cells on it (after their switch) work it down at one cell-hour per hour each; when all taken
+work is done and the step holds B groups, the fixed per-step cost follows and the step ends.
+
+Invariants: the policy is called with the state *after* each event, and again at the same
+instant until it returns no moves (at most ``MAX_ROUNDS``); the run is deterministic for a
+(workload, policy, configs) tuple; a stall (nothing scheduled, job not done) raises.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from ray_xlong.scheduling.events import Event
+from ray_xlong.scheduling.machine import CellMachine
+from ray_xlong.scheduling.moves import JoinStep, Reserve, StartRuns, StartTraining, Sync
+from ray_xlong.scheduling.policy import Policy
+from ray_xlong.scheduling.state import Role, SchedulingConfig
+from ray_xlong.sim.cluster import ClusterConfig, CostConfig
+from ray_xlong.sim.workload import Workload
+
+MAX_ROUNDS = 16
+EPS = 1e-9
+
+
+class SimulationStalled(RuntimeError):
+    """Nothing is scheduled but the job is not done (the policy waits for nothing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """Outcome of one simulation."""
+
+    mode: str
+    """Policy name."""
+    makespan_h: float
+    """Time the last step ended."""
+    busy_cell_h: float
+    """Cell-hours spent serving runs (live / slots) or training (incl. fixed step cost)."""
+    cells: int
+    """Cells in the cluster."""
+    staleness: tuple[int, ...]
+    """Per group: step that trained it - its version."""
+    trained_step: tuple[int, ...]
+    """Per group: the step that trained it."""
+    events: tuple[Event, ...]
+    """The full event log."""
+
+    @property
+    def gpu_idle_frac(self) -> float:
+        """1 - busy cell-time / (cells × makespan)."""
+        return 1.0 - self.busy_cell_h / (self.cells * self.makespan_h)
+
+
+class _Sim:
+    def __init__(self, policy: Policy, workload: Workload, cluster: ClusterConfig,
+                 costs: CostConfig, config: SchedulingConfig) -> None:
+        if len(workload.durations_h) != config.total_runs:
+            raise ValueError(
+                f"simulate.workload: {len(workload.durations_h)} runs, job needs {config.total_runs}"
+            )
+        self.policy, self.w, self.costs = policy, workload, costs
+        self.m = CellMachine(config, slots=[cluster.slots_per_cell] * cluster.cells)
+        self.heap: list[tuple[float, int, str, int, int]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.work_left = 0.0  # cell-hours of taken work not yet trained
+        self.gen = 0  # invalidates stale "exhausted" events
+        self.finishing = False
+        self.busy = 0.0
+
+    def push(self, t: float, what: str, a: int = -1, b: int = -1) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, what, a, b))
+
+    def rate(self) -> int:
+        m = self.m
+        return sum(1 for c, s in enumerate(m.step_of) if s >= 0 and m.ready_at[c] <= self.now + EPS)
+
+    def busy_frac_sum(self) -> float:
+        m, total = self.m, 0.0
+        for c, role in enumerate(m.role):
+            if role in (Role.ROLLOUT, Role.DRAINING):
+                total += len(m.live[c]) / m.slots[c]
+            elif m.step_of[c] >= 0 and m.ready_at[c] <= self.now + EPS:
+                total += 1.0 if (self.work_left > EPS or self.finishing) else 0.0
+        return total
+
+    def advance(self, t: float) -> None:
+        dt = t - self.now
+        if dt > 0:
+            self.busy += dt * self.busy_frac_sum()
+            if not self.finishing:
+                self.work_left = max(0.0, self.work_left - dt * self.rate())
+        self.now = t
+
+    def handle(self, what: str, a: int, b: int) -> None:
+        m = self.m
+        if what == "run_end":
+            m.run_ended(a, b, self.now)
+        elif what == "ready":
+            m.cell_ready(a, self.now)
+        elif what == "step_end":
+            self.finishing = False
+            m.end_step(self.now)
+        elif what == "exhausted" and a != self.gen:
+            return
+
+    def act(self) -> None:
+        for _ in range(MAX_ROUNDS):
+            moves = self.policy.decide(self.m.snapshot(self.now), self.m.log[-1])
+            if not moves:
+                return
+            for move in moves:
+                was_training = self.m.role[move.cell] is Role.TRAINING
+                for run in self.m.apply(move, self.now):
+                    self.push(self.now + self.w.durations_h[run], "run_end", move.cell, run)
+                if isinstance(move, (Reserve, StartTraining, JoinStep)) and not was_training:
+                    self.delay(move.cell, self.costs.to_train_h)
+                elif isinstance(move, Sync):
+                    self.delay(move.cell, self.costs.sync_h)
+            self.train()
+        raise RuntimeError(f"{self.policy.name}: still moving after {MAX_ROUNDS} rounds at {self.now}")
+
+    def delay(self, cell: int, hours: float) -> None:
+        self.m.busy_until(cell, self.now + hours)
+        self.push(self.now + hours, "ready", cell)
+
+    def train(self) -> None:
+        m = self.m
+        per_h = self.costs.train_tokens_per_cell_h
+        for group in m.take_groups():
+            self.work_left += self.w.group_tokens(group) / per_h
+        if m.step < 0 or self.finishing:
+            return
+        self.gen += 1
+        if self.work_left <= EPS:
+            if m.step_groups == m.config.batch_groups:
+                self.finishing = True
+                self.push(self.now + self.costs.step_fixed_h, "step_end")
+            else:
+                m.set_starved(True, self.now)
+        else:
+            m.set_starved(False, self.now)
+            r = self.rate()
+            if r:
+                self.push(self.now + self.work_left / r, "exhausted", self.gen)
+
+    def run(self) -> SimResult:
+        self.act()
+        while not self.m.done:
+            if not self.heap:
+                raise SimulationStalled(f"{self.policy.name}: stalled at {self.now:.3f} h: "
+                                        f"{self.m.snapshot(self.now)}")
+            t, _, what, a, b = heapq.heappop(self.heap)
+            self.advance(t)
+            self.handle(what, a, b)
+            self.train()
+            self.act()
+        return self.result()
+
+    def result(self) -> SimResult:
+        led = self.m.ledger
+        stale = tuple(s - v for s, v in zip(led.trained_step, led.group_version))
+        return SimResult(
+            mode=self.policy.name, makespan_h=self.now, busy_cell_h=self.busy,
+            cells=len(self.m.slots), staleness=stale, trained_step=tuple(led.trained_step),
+            events=tuple(self.m.log),
+        )
+
+
+def simulate(policy: Policy, *, workload: Workload, cluster: ClusterConfig, costs: CostConfig,
+             config: SchedulingConfig) -> SimResult:
+    """Run ``policy`` on ``workload`` until every step is trained.
+
+    Returns:
+        SimResult with the makespan, busy cell-hours, per-group staleness and the event log.
+    Raises:
+        SimulationStalled, TransitionError, StalenessError on a broken policy.
+    """
+    return _Sim(policy, workload, cluster, costs, config).run()
