@@ -257,3 +257,47 @@ def _trajectory_grid(pieces, segs, pad_token_id):
             where_src.append(cols - 1)
             where_tgt.append(ids[row, cols])
     return (ids, pos, mask), (where_row, where_src, where_tgt)
+
+
+def micro_batches(batch: PackedBatch, *, max_tokens: int) -> list[PackedBatch]:
+    """Split a batch by rows into micro-batches of at most ``max_tokens`` (rows × width).
+
+    Rows are taken in order; each micro-batch is trimmed to its longest row, and a row wider than
+    ``max_tokens`` goes alone. ``loss_scale`` keeps the whole batch's normalizer, so the sum of
+    the micro-batches' losses is the batch's loss (gradient accumulation needs no rescaling).
+
+    Args:
+        batch: a packed batch, either layout.
+        max_tokens: token budget of a micro-batch (>= 1).
+
+    Returns:
+        Micro-batches covering every row and every target exactly once, in order.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"micro_batches: max_tokens must be >= 1, got {max_tokens}")
+    lengths = batch.valid.sum(dim=1).tolist()
+    groups: list[list[int]] = []
+    width = 0
+    for r, n in enumerate(lengths):
+        if groups and max(width, n) * (len(groups[-1]) + 1) <= max_tokens:
+            groups[-1].append(r)
+            width = max(width, n)
+        else:
+            groups.append([r])
+            width = n
+    return [_take_rows(batch, rows) for rows in groups]
+
+
+def _take_rows(batch: PackedBatch, rows: list[int]) -> PackedBatch:
+    index = torch.tensor(rows, dtype=torch.int64)
+    width = max(int(batch.valid[index].sum(dim=1).max()), 1)
+    remap = torch.full((batch.input_ids.shape[0],), -1, dtype=torch.int64)
+    remap[index] = torch.arange(len(rows))
+    keep = remap[batch.target_row] >= 0
+    cut = (lambda t: t[index, :width])
+    return PackedBatch(batch.layout, cut(batch.input_ids), cut(batch.position_ids),
+                       cut(batch.attention_mask), remap[batch.target_row[keep]],
+                       batch.target_src[keep], batch.target_ids[keep],
+                       batch.behaviour_logprobs[keep], batch.policy_versions[keep],
+                       batch.advantages[keep], batch.loss_scale[keep], batch.target_run[keep],
+                       batch.run_ids, cut(batch.valid))
