@@ -1,5 +1,10 @@
-"""Locally built models (no hub downloads): tiny HF causal LMs from a config."""
+"""Locally built models (no hub downloads): tiny HF causal LMs, a local tokenizer, a model
+directory both HF and vLLM load, and a supervised warm start."""
 
+from ray_xlong.models.build import build_tiny_model_dir, load_model, load_tokenizer
 from ray_xlong.models.tiny import TinyModelConfig, tiny_causal_lm
+from ray_xlong.models.tokenizer import SPECIAL_TOKENS, build_tokenizer
+from ray_xlong.models.warm_start import warm_start
 
-__all__ = ["TinyModelConfig", "tiny_causal_lm"]
+__all__ = ["SPECIAL_TOKENS", "TinyModelConfig", "build_tiny_model_dir", "build_tokenizer",
+           "load_model", "load_tokenizer", "tiny_causal_lm", "warm_start"]

@@ -65,6 +65,10 @@ def tiny_causal_lm(config: TinyModelConfig = TinyModelConfig(), *, seed: int = 0
     """A randomly initialised tiny causal LM (deterministic per seed), in eval mode."""
     from transformers import AutoModelForCausalLM
 
+    if attn_implementation == "xlong_tree":
+        from ray_xlong.trajectory.tree_attention import register
+
+        register()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config.hf_config(
         attn_implementation=attn_implementation), dtype=dtype)

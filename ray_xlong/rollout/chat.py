@@ -1,0 +1,132 @@
+"""The token-level chat format: prompts, tool results and summaries built from token ids.
+
+One run's context, as ids (``[x]`` is a special token of ``models/tokenizer.py``)::
+
+    [bos] [system] system text [end] [user] task text [end] [assistant]
+        model:  [call] add 3 4 [end]                       a tool call (name, then arguments)
+    [tool] 7 [end] [assistant]                             the tool's result (context)
+        model:  [answer] 7 [end]                           the final answer
+
+    summary call:  <context> [summarize]  ->  model: summary text [end]
+    after compaction: [bos] [system] .. [end] [user] .. [end] [summary] <summary ids> [end] [assistant]
+
+Environment text (system, task, tool results) is tokenized here; model output never is: a
+summary re-enters the context as the exact ids the model generated, and outputs are only
+*decoded* to be parsed into an :class:`Action`.
+
+Parsing (``parse``): an output is well formed iff it ends with ``[end]``, starts with ``[call]``
+or ``[answer]`` and holds no other special token; a call names a tool (first word of its text,
+the rest are its arguments). Anything else is :class:`Malformed`, with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ray_xlong.models.tokenizer import SPECIAL_TOKENS
+
+_ID = {name.strip("<|>"): i for i, name in enumerate(SPECIAL_TOKENS)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolCall:
+    """The model called a tool."""
+
+    name: str
+    """Tool name (first word of the call text)."""
+    args: str
+    """Everything after the name (leading whitespace stripped once)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Answer:
+    """The model gave its final answer."""
+
+    text: str
+    """The answer text (stripped)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Malformed:
+    """The output does not follow the format."""
+
+    reason: str
+    """Why (for logs and the error message shown to the model)."""
+
+
+Action = ToolCall | Answer | Malformed
+
+
+class ChatFormat:
+    """Builds context ids and parses outputs with a tokenizer from ``ray_xlong.models``."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        for name, i in _ID.items():
+            if tokenizer.convert_tokens_to_ids(f"<|{name}|>") != i:
+                raise ValueError(f"tokenizer: special token <|{name}|> must have id {i}")
+        self.end = _ID["end"]
+        self.call = _ID["call"]
+        self.answer = _ID["answer"]
+        self.summarize = _ID["summarize"]
+        self.stop_token_ids: tuple[int, ...] = (self.end,)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Environment text → ids (special-token strings in ``text`` are not special)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        return np.asarray(ids, np.int64)
+
+    def decode(self, ids: np.ndarray) -> str:
+        """Ids → text (for parsing and display only)."""
+        return self.tokenizer.decode([int(t) for t in ids], skip_special_tokens=False)
+
+    def prompt(self, system: str, user: str) -> np.ndarray:
+        """``[bos] [system] system [end] [user] user [end] [assistant]``."""
+        return np.concatenate([[_ID["bos"], _ID["system"]], self.encode(system),
+                               [self.end, _ID["user"]], self.encode(user),
+                               [self.end, _ID["assistant"]]]).astype(np.int64)
+
+    def tool_result(self, text: str, *, max_tokens: int) -> np.ndarray:
+        """``[tool] text [end] [assistant]``; text cut to ``max_tokens`` ids (marked)."""
+        ids = self.encode(text[:max_tokens * 16])
+        if ids.size > max_tokens:
+            ids = np.concatenate([ids[:max_tokens], self.encode(" [truncated]")])
+        return np.concatenate([[_ID["tool"]], ids, [self.end, _ID["assistant"]]]).astype(np.int64)
+
+    def compacted(self, prompt_ids: np.ndarray, summary_ids: np.ndarray) -> np.ndarray:
+        """A fresh context: the prompt, then ``[summary] <summary ids> [end] [assistant]``.
+
+        ``prompt_ids`` ends with ``[assistant]``, which is dropped before the summary."""
+        body = summary_ids[:-1] if summary_ids.size and summary_ids[-1] == self.end \
+            else summary_ids
+        return np.concatenate([prompt_ids[:-1], [_ID["summary"]], body,
+                               [self.end, _ID["assistant"]]]).astype(np.int64)
+
+    def parse(self, output_ids: np.ndarray) -> Action:
+        """Classify a model output (see module docstring)."""
+        ids = [int(t) for t in output_ids]
+        if not ids or ids[-1] != self.end:
+            return Malformed("output does not end with <|end|>")
+        head, body = ids[0], ids[1:-1]
+        if head not in (self.call, self.answer):
+            return Malformed("output must start with <|call|> or <|answer|>")
+        if any(t < len(SPECIAL_TOKENS) for t in body):
+            return Malformed("special token inside the output")
+        text = self.decode(np.asarray(body))
+        if head == self.answer:
+            return Answer(text.strip())
+        parts = text.strip().split(None, 1)
+        if not parts:
+            return Malformed("tool call names no tool")
+        return ToolCall(parts[0], parts[1] if len(parts) > 1 else "")
+
+    def call_ids(self, name: str, args: str = "") -> np.ndarray:
+        """The ids of a well-formed tool call (demonstrations, scripted policies)."""
+        text = f"{name} {args}" if args else name
+        return np.concatenate([[self.call], self.encode(text), [self.end]]).astype(np.int64)
+
+    def answer_ids(self, text: str) -> np.ndarray:
+        """The ids of a well-formed answer."""
+        return np.concatenate([[self.answer], self.encode(text), [self.end]]).astype(np.int64)

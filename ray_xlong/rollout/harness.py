@@ -1,0 +1,317 @@
+"""The agent harness: many concurrent agent runs against one engine, every call token-exact.
+
+One run (``Harness.run``) is an asyncio task::
+
+    main agent loop (agent "main", kind main)                     budgets checked before each call
+      ├─ context > compaction_budget ─► summary call (kind summary) on context + [summarize];
+      │                                 continue from prompt + [summary] <its ids>  (new trajectory)
+      ├─ engine.generate(ctx[:n]) ─► output ─► parse
+      │     malformed, retries left ─► recorded, not appended; same context again (retry)
+      │     malformed, none left    ─► appended + an error tool result
+      │     [call] subagent <task>  ─► child agent "subN" (kind subagent, parent = caller) with its
+      │                                own context; its answer is the tool result
+      │     [call] tool args        ─► env.call_tool under tool_timeout_s; crash / timeout → an
+      │                                error result; output cut to max_tool_output_tokens
+      │     [answer] text           ─► env.submit(text); the run is finished
+      └─ engine error ─► retried up to max_engine_retries, then the run is failed
+
+Ends: ``finished`` (answer), ``timeout`` (wall clock, generated-token budget, call budget or a
+full context: scored on the partial state), ``failed`` (engine or environment broke; reward 0).
+
+Token exactness: a call's ``input_ids`` is the view ``ctx[:n]`` of the agent's buffer that was
+sent to the engine, its ``output_ids`` the engine's ids (a view of the buffer once appended, the
+engine's own array for a retried output); nothing the model generated is ever re-tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+
+from ray_xlong.rollout.chat import Answer, ChatFormat, Malformed, ToolCall
+from ray_xlong.rollout.context import Context, ContextFull
+from ray_xlong.rollout.engine import Engine, EngineError, GenerateResult, SamplingConfig
+from ray_xlong.rollout.tasks.base import TaskEnv, TaskFailure, ToolError
+from ray_xlong.trajectory import AgentRun, ModelCall
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HarnessConfig:
+    """Budgets and limits of one run; validated at construction."""
+
+    max_new_tokens: int = 64
+    """Most tokens per model call."""
+    temperature: float = 1.0
+    """Sampling temperature (0 = greedy)."""
+    context_capacity: int = 4096
+    """Tokens an agent's context buffer holds."""
+    compaction_budget: int = 2048
+    """Compact when a context passes this many tokens."""
+    summary_max_tokens: int = 64
+    """Most tokens of a summary."""
+    max_run_tokens: int = 8192
+    """Generated-token budget of a run (all agents); passing it is a timeout."""
+    wall_clock_s: float = 600.0
+    """Wall-clock budget of a run; passing it is a timeout."""
+    max_calls: int = 64
+    """Main-agent model calls (retries and summaries included) before a timeout."""
+    subagent_max_calls: int = 8
+    """Model calls of one subagent."""
+    max_subagent_depth: int = 1
+    """Nesting of subagents (0 disables the subagent tool)."""
+    max_retries: int = 2
+    """Consecutive malformed outputs retried from the same context."""
+    max_engine_retries: int = 2
+    """Engine errors retried per call before the run fails."""
+    tool_timeout_s: float = 30.0
+    """Time limit of one tool call."""
+    max_tool_output_tokens: int = 256
+    """Tool output kept, in tokens."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "context_capacity", "compaction_budget",
+                     "summary_max_tokens", "max_run_tokens", "max_calls", "subagent_max_calls",
+                     "max_tool_output_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"HarnessConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("max_subagent_depth", "max_retries", "max_engine_retries"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"HarnessConfig.{name} must be an int >= 0, got {value!r}")
+        for name in ("wall_clock_s", "tool_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HarnessConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"HarnessConfig.temperature must be >= 0, got {self.temperature!r}")
+        if self.compaction_budget + self.max_new_tokens + self.max_tool_output_tokens + 8 \
+                > self.context_capacity:
+            raise ValueError("HarnessConfig.compaction_budget + max_new_tokens + "
+                             "max_tool_output_tokens + 8 must fit in context_capacity")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What happened in a run besides its calls."""
+
+    stop_reason: str
+    """``answer`` | ``wall_clock`` | ``token_budget`` | ``call_budget`` | ``context_full`` |
+    ``engine_error`` | ``task_failure``."""
+    retries: int
+    """Malformed outputs retried."""
+    engine_retries: int
+    """Engine errors retried."""
+    compactions: int
+    """Summary calls."""
+    subagents: int
+    """Subagents started."""
+    tool_errors: int
+    """Tool calls that raised, timed out or named an unknown tool."""
+    elapsed_s: float
+    """Wall-clock seconds of the run."""
+    error: str | None = None
+    """The error that failed the run, if any."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunResult:
+    """An ended run and its info."""
+
+    run: AgentRun
+    """The token-exact, scored run."""
+    info: RunInfo
+    """Counts and why it stopped."""
+
+
+class _Stop(Exception):
+    """Ends a run early with a status and a stop reason."""
+
+    def __init__(self, status: str, reason: str, error: str | None = None) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.error = status, reason, error
+
+
+@dataclasses.dataclass(slots=True)
+class _Agent:
+    agent_id: str
+    kind: str
+    parent: str | None
+    depth: int
+    prompt: np.ndarray
+    ctx: Context
+    max_calls: int
+
+
+class _RunState:
+    """Mutable state of one run (calls recorded so far, counters, budgets)."""
+
+    def __init__(self, run_id: str, config: HarnessConfig) -> None:
+        self.run_id, self.config = run_id, config
+        self.calls: list[ModelCall] = []
+        self.start = time.monotonic()
+        self.generated = 0
+        self.counts = dict(retries=0, engine_retries=0, compactions=0, subagents=0,
+                           tool_errors=0)
+
+    def record(self, agent: _Agent, kind: str, inp: np.ndarray, out: np.ndarray,
+               result: GenerateResult, started: float) -> None:
+        parent = agent.parent if kind == agent.kind else None
+        self.calls.append(ModelCall(
+            f"{self.run_id}/c{len(self.calls)}", agent.agent_id, kind, inp, out,
+            result.output_logprobs, result.policy_version, parent_agent_id=parent,
+            start_time=started, end_time=time.time(), run_id=self.run_id))
+
+    def max_tokens(self, want: int) -> int:
+        left = self.config.max_run_tokens - self.generated
+        if left <= 0:
+            raise _Stop("timeout", "token_budget")
+        return min(want, left)
+
+
+class Harness:
+    """Runs agent runs against one engine (see module docstring)."""
+
+    def __init__(self, engine: Engine, chat: ChatFormat, *,
+                 config: HarnessConfig = HarnessConfig()) -> None:
+        self.engine, self.chat, self.config = engine, chat, config
+
+    async def run(self, env: TaskEnv, *, run_id: str, group_id: str) -> RunResult:
+        """One run of ``env`` to its end; never raises for agent, tool or engine trouble."""
+        state = _RunState(run_id, self.config)
+        status, reason, error = "finished", "answer", None
+        try:
+            obs = env.reset()
+            prompt = self.chat.prompt(obs.system, obs.prompt)
+            main = _Agent("main", "main", None, 0, prompt,
+                          Context(prompt, capacity=self.config.context_capacity),
+                          self.config.max_calls)
+            answer = await asyncio.wait_for(self._agent(state, env, main),
+                                            self.config.wall_clock_s)
+            if answer is None:
+                raise _Stop("timeout", "call_budget")
+            env.submit(answer)
+        except _Stop as stop:
+            status, reason, error = stop.status, stop.reason, stop.error
+        except asyncio.TimeoutError:
+            status, reason = "timeout", "wall_clock"
+        except ContextFull:
+            status, reason = "timeout", "context_full"
+        except TaskFailure as exc:
+            status, reason, error = "failed", "task_failure", repr(exc)
+        reward = 0.0
+        if status != "failed":
+            reward = await self._score(env)
+        info = RunInfo(reason, elapsed_s=time.monotonic() - state.start, error=error,
+                       **state.counts)
+        return RunResult(AgentRun(run_id, group_id, state.calls, reward, status), info)
+
+    async def _score(self, env: TaskEnv) -> float:
+        score = float(await asyncio.to_thread(env.score))
+        if not np.isfinite(score):
+            raise ValueError(f"task score must be finite, got {score}")
+        return score
+
+    async def _agent(self, state: _RunState, env: TaskEnv, agent: _Agent) -> str | None:
+        """Loop one agent until it answers (its answer) or runs out of calls (None)."""
+        retries, calls = 0, 0
+        while calls < agent.max_calls:
+            calls += 1
+            if agent.ctx.n > self.config.compaction_budget:
+                await self._compact(state, agent)
+                continue
+            inp = agent.ctx.view()
+            result, started = await self._generate(state, inp, self.config.max_new_tokens)
+            action = self.chat.parse(result.output_ids)
+            if isinstance(action, Malformed) and retries < self.config.max_retries:
+                retries += 1
+                state.counts["retries"] += 1
+                state.record(agent, agent.kind, inp, result.output_ids, result, started)
+                continue
+            retries = 0
+            out = agent.ctx.append(result.output_ids)
+            state.record(agent, agent.kind, inp, out, result, started)
+            if isinstance(action, Answer):
+                return action.text
+            text = await self._act(state, env, agent, action)
+            agent.ctx.append(self.chat.tool_result(
+                text, max_tokens=self.config.max_tool_output_tokens))
+        return None
+
+    async def _act(self, state: _RunState, env: TaskEnv, agent: _Agent,
+                   action: ToolCall | Malformed) -> str:
+        """The tool result text for an action (errors become text the agent sees)."""
+        if isinstance(action, Malformed):
+            return f"error: malformed output ({action.reason})"
+        if action.name == "subagent":
+            return await self._subagent(state, env, agent, action.args)
+        try:
+            return str(await asyncio.wait_for(env.call_tool(action.name, action.args),
+                                              self.config.tool_timeout_s))
+        except TaskFailure:
+            raise
+        except asyncio.TimeoutError:
+            state.counts["tool_errors"] += 1
+            return f"error: tool {action.name} timed out after {self.config.tool_timeout_s:g} s"
+        except ToolError as exc:
+            state.counts["tool_errors"] += 1
+            return f"error: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a crashing tool is the agent's problem
+            state.counts["tool_errors"] += 1
+            return f"error: tool {action.name} crashed: {exc!r}"
+
+    async def _subagent(self, state: _RunState, env: TaskEnv, parent: _Agent,
+                        task_text: str) -> str:
+        if parent.depth >= self.config.max_subagent_depth:
+            state.counts["tool_errors"] += 1
+            return "error: subagents may not start subagents here"
+        state.counts["subagents"] += 1
+        prompt = self.chat.prompt("You are a subagent.", f"Subtask: {task_text}")
+        child = _Agent(f"sub{state.counts['subagents']}", "subagent", parent.agent_id,
+                       parent.depth + 1, prompt,
+                       Context(prompt, capacity=self.config.context_capacity),
+                       self.config.subagent_max_calls)
+        answer = await self._agent(state, env, child)
+        return answer if answer is not None else "error: the subagent gave no answer"
+
+    async def _compact(self, state: _RunState, agent: _Agent) -> None:
+        """Summary call on the context + [summarize]; continue from prompt + summary."""
+        state.counts["compactions"] += 1
+        agent.ctx.append(np.array([self.chat.summarize], np.int64))
+        inp = agent.ctx.view()
+        result, started = await self._generate(state, inp, self.config.summary_max_tokens)
+        out = agent.ctx.append(result.output_ids)
+        state.record(agent, "summary", inp, out, result, started)
+        fresh = self.chat.compacted(agent.prompt, np.asarray(out))
+        agent.ctx = Context(fresh, capacity=self.config.context_capacity)
+
+    async def _generate(self, state: _RunState, inp: np.ndarray,
+                        want: int) -> tuple[GenerateResult, float]:
+        """One engine call with retries on engine errors; counts generated tokens."""
+        max_tokens = state.max_tokens(want)
+        sampling = SamplingConfig(max_tokens=max_tokens, temperature=self.config.temperature,
+                                  stop_token_ids=self.chat.stop_token_ids)
+        for attempt in range(self.config.max_engine_retries + 1):
+            started = time.time()
+            try:
+                result = await self.engine.generate(inp, sampling=sampling)
+            except EngineError as exc:
+                if attempt == self.config.max_engine_retries:
+                    raise _Stop("failed", "engine_error", repr(exc)) from exc
+                state.counts["engine_retries"] += 1
+                continue
+            except ValueError as exc:
+                raise _Stop("failed", "engine_error", repr(exc)) from exc
+            state.generated += int(result.output_ids.size)
+            return result, started
+        raise AssertionError("unreachable")
+
+    async def run_many(self, envs: list[TaskEnv], *, run_ids: list[str],
+                       group_ids: list[str]) -> list[RunResult]:
+        """Run ``envs`` concurrently (one run each); results in input order."""
+        if not len(envs) == len(run_ids) == len(group_ids):
+            raise ValueError("run_many: envs, run_ids and group_ids must have one entry each")
+        return list(await asyncio.gather(*(self.run(e, run_id=r, group_id=g)
+                                           for e, r, g in zip(envs, run_ids, group_ids))))

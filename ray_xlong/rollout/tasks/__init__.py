@@ -1,0 +1,39 @@
+"""Tasks: the interface (``base.py``) and a registry of the built-in tasks.
+
+``make_task(name, seed=...)`` builds a :class:`TaskEnv`; an unknown name raises
+:class:`UnknownTaskError` listing the known ones. ``register_task`` adds a factory.
+"""
+
+from __future__ import annotations
+
+from ray_xlong.rollout.tasks.arithmetic import ArithmeticTask
+from ray_xlong.rollout.tasks.base import (Observation, TaskEnv, TaskFactory, TaskFailure,
+                                         ToolError, UnknownTaskError)
+from ray_xlong.rollout.tasks.code import CodeTask
+from ray_xlong.rollout.tasks.long_horizon import LongHorizonConfig, LongHorizonTask
+
+TASKS: dict[str, TaskFactory] = {
+    "arithmetic": ArithmeticTask,
+    "code": CodeTask,
+    "long_horizon": LongHorizonTask,
+}
+"""Registered tasks, by name."""
+
+
+def register_task(name: str, factory: TaskFactory) -> None:
+    """Register ``factory`` (``seed -> TaskEnv``) under ``name`` (must be new)."""
+    if not isinstance(name, str) or not name or name in TASKS:
+        raise ValueError(f"register_task: name must be a new non-empty string, got {name!r}")
+    TASKS[name] = factory
+
+
+def make_task(name: str, *, seed: int) -> TaskEnv:
+    """A fresh instance of task ``name``."""
+    if name not in TASKS:
+        raise UnknownTaskError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+    return TASKS[name](seed)
+
+
+__all__ = ["ArithmeticTask", "CodeTask", "LongHorizonConfig", "LongHorizonTask", "Observation",
+           "TASKS", "TaskEnv", "TaskFactory", "TaskFailure", "ToolError", "UnknownTaskError",
+           "make_task", "register_task"]

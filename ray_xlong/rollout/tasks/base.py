@@ -1,0 +1,72 @@
+"""The task interface: what a harness needs from an environment, as plain callables.
+
+A *task* is a factory ``make(seed) -> TaskEnv``; a ``TaskEnv`` is one task instance for one run::
+
+    env = make(seed)
+    obs = env.reset()                       -> Observation(system, prompt)   (text; the harness
+                                               tokenizes it with its ChatFormat)
+    text = await env.call_tool(name, args)  -> the tool's output text (any length: the harness
+                                               truncates); raise ToolError for a bad call (the
+                                               agent sees the message), TaskFailure when the
+                                               environment itself broke (the run fails)
+    env.submit(answer)                      the main agent's final answer
+    env.score()                             -> float, of the current state: final after submit,
+                                               partial otherwise (timeouts are scored this way);
+                                               may block (e.g. runs tests): called in a thread
+    env.close()                             release resources (workspaces, processes)
+
+``TaskEnv.tools`` names the task's tools (``subagent`` is the harness's own). Envs are used
+from one event loop; ``call_tool`` must be cancellable (the harness enforces time limits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Protocol
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Observation:
+    """What a run starts from."""
+
+    system: str
+    """System prompt text."""
+    prompt: str
+    """The task statement (first user message)."""
+
+
+class ToolError(Exception):
+    """A tool call was wrong (unknown tool, bad arguments): shown to the agent, run goes on."""
+
+
+class TaskFailure(Exception):
+    """The environment broke (not the agent's fault): the run ends ``failed``."""
+
+
+class UnknownTaskError(KeyError):
+    """No task of that name is registered. The message lists the known names."""
+
+
+class TaskEnv(Protocol):
+    """One task instance for one run (see module docstring)."""
+
+    tools: tuple[str, ...]
+
+    def reset(self) -> Observation:
+        """Start (or restart) the instance; returns the observation."""
+
+    async def call_tool(self, name: str, args: str) -> str:
+        """Run tool ``name`` with ``args``; returns its output text."""
+
+    def submit(self, answer: str) -> None:
+        """Record the main agent's final answer."""
+
+    def score(self) -> float:
+        """Reward of the current state, in [0, 1]."""
+
+    def close(self) -> None:
+        """Release resources."""
+
+
+TaskFactory = Callable[[int], TaskEnv]
+"""``make(seed) -> TaskEnv``: a task, deterministic per seed."""

