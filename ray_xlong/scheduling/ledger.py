@@ -5,9 +5,11 @@ The staleness bound ``b`` is kept by construction, in two rules:
 * **Admission** — while the policy version is ``v``, at most ``(v + b + 1) * B`` groups may have
   started (rollout runs at most ``b`` steps ahead). A group's version is the version its first
   run started with (its oldest tokens), so it is the conservative one.
-* **Selection** — step ``s`` must take every group of version ``<= s - b`` (*mandatory*); it
-  takes ready groups oldest version first and keeps a place for each mandatory group still
-  running. Admission guarantees at most ``B`` mandatory groups per step.
+* **Selection** — step ``s`` must take every group of version ``<= s - b`` (*mandatory*), and
+  every later step ``t`` must still be able to: for all ``t >= s`` the untaken groups of version
+  ``<= t - b`` must fit in the places left in steps ``s..t`` (the *slack* of ``t`` stays >= 0).
+  Ready groups are taken oldest version first while every slack they consume stays >= 0;
+  admission keeps the slack of steps ``>= version + b`` non-negative by itself.
 
 So every group is trained at a step ``s`` with ``s - version <= b``; :meth:`GroupLedger.take`
 checks it anyway and raises :class:`StalenessError` if the arithmetic were ever broken.
@@ -86,14 +88,30 @@ class GroupLedger:
         return len(self._ready)
 
     # -- selection -------------------------------------------------------------------------
-    def _mandatory_running(self, step: int) -> int:
-        cutoff = step - self.config.staleness_bound
-        return sum(n - self._untaken_ready.get(v, 0) for v, n in self._untaken.items() if v <= cutoff)
+    def _plan(self, step: int, taken: int) -> int:
+        """How many ready groups (oldest first) step ``step`` holding ``taken`` may take now."""
+        b, batch = self.config.staleness_bound, self.config.batch_groups
+        horizon = max(self._untaken, default=step) + b
+        slack, cum = {}, 0
+        versions = sorted(self._untaken)
+        for t in range(step, horizon + 1):
+            cum = sum(self._untaken[v] for v in versions if v <= t - b)
+            slack[t] = (t - step + 1) * batch - taken - cum
+        total = 0
+        for v in sorted(self._untaken_ready):
+            window = [slack[t] for t in range(step, v + b)]
+            k = min(self._untaken_ready[v], min(window, default=self._untaken_ready[v]))
+            k = max(0, k)
+            for t in range(step, v + b):
+                slack[t] -= k
+            total += k
+            if k < self._untaken_ready[v]:
+                break
+        return total
 
     def takeable(self, step: int, taken: int) -> int:
         """Groups step ``step`` (holding ``taken``) may take now."""
-        room = self.config.batch_groups - taken - self._mandatory_running(step)
-        return max(0, min(len(self._ready), room))
+        return min(self._plan(step, taken), self.config.batch_groups - taken)
 
     def take(self, step: int, taken: int) -> list[int]:
         """Give step ``step`` every group it may take now (oldest version first)."""
