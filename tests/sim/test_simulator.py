@@ -1,0 +1,146 @@
+"""Simulator properties over random small workloads, for every mode.
+
+Checked from the event log (the same checks can run on a Ray driver's log): every run starts
+once and ends once on its cell, no cell leaves rollout with live runs, every group is trained
+exactly once with staleness <= bound, the run is deterministic per seed, makespan >= the bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_xlong.scheduling.asynchronous import AsyncPolicy
+from ray_xlong.scheduling.colocated import ColocatedPolicy
+from ray_xlong.scheduling.elastic import ElasticPolicy
+from ray_xlong.scheduling.state import SchedulingConfig
+from ray_xlong.sim.cluster import ClusterConfig, CostConfig
+from ray_xlong.sim.metrics import lower_bound_h
+from ray_xlong.sim.simulator import simulate
+from ray_xlong.sim.workload import WorkloadConfig, sample_workload
+
+MODES = {
+    "colocated": lambda cells: ColocatedPolicy(),
+    "colocated+streaming": lambda cells: ColocatedPolicy(streaming=True),
+    "async": lambda cells: AsyncPolicy(rollout_cells=max(1, cells // 2)),
+    "async+streaming": lambda cells: AsyncPolicy(rollout_cells=cells - 1, streaming=True),
+    "elastic": lambda cells: ElasticPolicy(),
+    "elastic-no-streaming": lambda cells: ElasticPolicy(streaming=False, joining=False),
+}
+
+
+@st.composite
+def setups(draw):
+    job = SchedulingConfig(
+        total_steps=draw(st.integers(1, 4)), batch_groups=draw(st.integers(1, 3)),
+        runs_per_group=draw(st.integers(1, 3)), staleness_bound=draw(st.integers(0, 3)),
+    )
+    wl = WorkloadConfig(
+        median_run_h=draw(st.floats(0.2, 3.0)), sigma=draw(st.floats(0.0, 1.5)),
+        timeout_h=draw(st.floats(1.0, 6.0)), tokens_per_run_h=1e5,
+        task_corr=draw(st.floats(0.0, 1.0)), failure_rate=draw(st.sampled_from([0.0, 0.1])),
+    )
+    cells = draw(st.integers(2, 4))
+    cluster = ClusterConfig(cells=cells, nodes_per_cell=1, gpus_per_node=8,
+                            slots_per_cell=draw(st.integers(1, 4)))
+    costs = CostConfig(train_tokens_per_cell_h=draw(st.floats(1e4, 1e6)), step_fixed_h=0.05,
+                       to_train_h=draw(st.floats(0.0, 0.2)), sync_h=draw(st.floats(0.0, 0.3)))
+    seed = draw(st.integers(0, 2**16))
+    w = sample_workload(wl, runs=job.total_runs, group_size=job.runs_per_group, seed=seed)
+    return job, w, cluster, costs
+
+
+def check_log(result, job):
+    live: dict[int, set[int]] = {}
+    started, ended = set(), set()
+    for e in result.events:
+        if e.kind == "run_started":
+            assert e.run not in started
+            started.add(e.run)
+            live.setdefault(e.cell, set()).add(e.run)
+        elif e.kind == "run_ended":
+            assert e.run in live.get(e.cell, set()), f"run {e.run} ended off its cell"
+            live[e.cell].remove(e.run)
+            ended.add(e.run)
+        elif e.kind == "role" and e.role in ("training", "syncing"):
+            assert not live.get(e.cell), f"cell {e.cell} left rollout with live runs"
+    assert started >= ended
+    times = [e.time for e in result.events]
+    assert times == sorted(times)
+
+
+@settings(max_examples=25, deadline=None)
+@given(setup=setups(), mode=st.sampled_from(sorted(MODES)))
+def test_invariants_hold_for_every_mode(setup, mode):
+    job, w, cluster, costs = setup
+    policy = MODES[mode](cluster.cells)
+    result = simulate(policy, workload=w, cluster=cluster, costs=costs, config=job)
+    check_log(result, job)
+    # every ended group trained exactly once, each step B groups, staleness within the bound
+    assert sorted(result.trained_step) == [s for s in range(job.total_steps) for _ in range(job.batch_groups)]
+    assert all(0 <= s <= job.staleness_bound for s in result.staleness)
+    lb = lower_bound_h(workload=w, cluster=cluster, costs=costs, config=job)
+    assert result.makespan_h >= lb - 1e-9
+    assert 0.0 <= result.gpu_idle_frac <= 1.0 + 1e-9
+
+
+@settings(max_examples=10, deadline=None)
+@given(setup=setups(), mode=st.sampled_from(sorted(MODES)))
+def test_deterministic_per_seed(setup, mode):
+    job, w, cluster, costs = setup
+    a = simulate(MODES[mode](cluster.cells), workload=w, cluster=cluster, costs=costs, config=job)
+    b = simulate(MODES[mode](cluster.cells), workload=w, cluster=cluster, costs=costs, config=job)
+    assert a.events == b.events and a.makespan_h == b.makespan_h
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    steps=st.integers(1, 4), bound=st.integers(0, 2), cells=st.integers(2, 4),
+    duration=st.floats(0.5, 4.0), switch=st.floats(0.0, 0.2),
+)
+def test_identical_runs_without_tail_elastic_matches_colocated(steps, bound, cells, duration, switch):
+    """No tail, every run the same: elastic cannot win, and loses at most the switch overheads."""
+    job = SchedulingConfig(total_steps=steps, batch_groups=cells, runs_per_group=2, staleness_bound=bound)
+    wl = WorkloadConfig(median_run_h=duration, sigma=0.0, timeout_h=10.0, tokens_per_run_h=1e5)
+    w = sample_workload(wl, runs=job.total_runs, group_size=2, seed=0)
+    # slots hold one round of runs: every round starts at once and ends at once
+    cluster = ClusterConfig(cells=cells, nodes_per_cell=1, gpus_per_node=8,
+                            slots_per_cell=2 * (bound + 1))
+    costs = CostConfig(train_tokens_per_cell_h=1e6, step_fixed_h=0.01, to_train_h=switch, sync_h=switch)
+    col = simulate(ColocatedPolicy(), workload=w, cluster=cluster, costs=costs, config=job).makespan_h
+    ela = simulate(ElasticPolicy(), workload=w, cluster=cluster, costs=costs, config=job).makespan_h
+    train_h = sum(w.tokens) / costs.train_tokens_per_cell_h  # all training on a single cell
+    overhead = steps * (2 * switch + costs.step_fixed_h) + train_h
+    assert abs(ela - col) <= overhead + 1e-9
+
+
+def test_a_policy_that_waits_for_nothing_is_reported():
+    from ray_xlong.sim.simulator import SimulationStalled
+
+    class Idle:
+        name = "idle"
+
+        def decide(self, state, event):
+            return ()
+
+    job = SchedulingConfig(total_steps=1, batch_groups=1, runs_per_group=1, staleness_bound=0)
+    w = sample_workload(WorkloadConfig(median_run_h=1, sigma=0, timeout_h=2, tokens_per_run_h=1),
+                        runs=1, group_size=1, seed=0)
+    cluster = ClusterConfig(cells=2, nodes_per_cell=1, gpus_per_node=1, slots_per_cell=1)
+    costs = CostConfig(train_tokens_per_cell_h=1, step_fixed_h=0, to_train_h=0, sync_h=0)
+    with pytest.raises(SimulationStalled, match="idle"):
+        simulate(Idle(), workload=w, cluster=cluster, costs=costs, config=job)
+
+
+def test_workload_size_must_match_the_job():
+    job = SchedulingConfig(total_steps=1, batch_groups=1, runs_per_group=2, staleness_bound=0)
+    w = sample_workload(WorkloadConfig(median_run_h=1, sigma=0, timeout_h=2, tokens_per_run_h=1),
+                        runs=4, group_size=2, seed=0)
+    cluster = ClusterConfig(cells=2, nodes_per_cell=1, gpus_per_node=1, slots_per_cell=1)
+    costs = CostConfig(train_tokens_per_cell_h=1, step_fixed_h=0, to_train_h=0, sync_h=0)
+    with pytest.raises(ValueError, match="simulate.workload"):
+        simulate(ColocatedPolicy(), workload=w, cluster=cluster, costs=costs, config=job)
+    assert dataclasses.is_dataclass(w)
