@@ -116,8 +116,9 @@ async def run_pytest(workspace: pathlib.Path, *, timeout_s: float) -> str:
         *_pytest_cmd(), cwd=workspace, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT, start_new_session=True)
     try:
-        out = await asyncio.wait_for(proc.stdout.read(MAX_OUTPUT_BYTES), timeout_s)
-        await asyncio.wait_for(proc.wait(), timeout_s)
+        out = await asyncio.wait_for(_read_capped(proc.stdout), timeout_s)
+        if len(out) < MAX_OUTPUT_BYTES:
+            await asyncio.wait_for(proc.wait(), timeout_s)
     except asyncio.TimeoutError:
         return f"error: tests killed after {timeout_s:g} s"
     finally:
@@ -125,6 +126,18 @@ async def run_pytest(workspace: pathlib.Path, *, timeout_s: float) -> str:
             proc.kill()
             await proc.wait()
     return out.decode(errors="replace")
+
+
+async def _read_capped(stream: asyncio.StreamReader) -> bytes:
+    """Read until EOF or :data:`MAX_OUTPUT_BYTES` (a flooding process is cut off)."""
+    chunks, size = [], 0
+    while size < MAX_OUTPUT_BYTES:
+        chunk = await stream.read(MAX_OUTPUT_BYTES - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def demonstration_calls(task: CodeTask) -> list[tuple[str, str]]:
