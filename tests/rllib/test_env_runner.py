@@ -1,0 +1,120 @@
+"""AgentEnvRunner: runs start, stay live, end into episodes; drain, sleep / wake, weights.
+
+Built directly (no Ray cluster: the runner's logic is the same inside an actor) and once as a
+Ray actor (marked ``ray``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+import pytest
+from ray.rllib.algorithms.ppo import PPOConfig
+
+from ray_xlong.models import build_tiny_model_dir, load_model, load_tokenizer
+from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig, RunSpec
+from ray_xlong.rllib.episodes import runs_from_episodes
+from ray_xlong.rollout import ChatFormat, HarnessConfig, ScriptedEngine
+from ray_xlong.rollout.tasks import UnknownTaskError
+
+pytestmark = pytest.mark.rllib
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model_dir(tmp_path_factory.mktemp("runner") / "m", seed=0))
+
+
+def scripted_factory(model_dir):
+    chat = ChatFormat(load_tokenizer(model_dir))
+
+    def policy(ids):
+        text = chat.decode(ids)
+        if "<|tool|>" not in text:
+            a, b = text.split("What is ")[1].split("?")[0].split(" plus ")
+            return chat.call_ids("add", f"{a} {b}")
+        return chat.answer_ids(text.split("<|tool|>")[-1].split("<|end|>")[0])
+    return lambda: ScriptedEngine(policy, vocab_size=512)
+
+
+def make_runner(model_dir, **kw):
+    cfg = RolloutConfig(model_dir=model_dir, harness=HarnessConfig(max_new_tokens=16), **kw)
+    return AgentEnvRunner(config=PPOConfig(), rollout_config=cfg)
+
+
+def specs(n, group="g"):
+    return [RunSpec("arithmetic", 7, f"{group}r{i}", group) for i in range(n)]
+
+
+def test_runs_end_into_episodes_exactly_once(model_dir):
+    runner = make_runner(model_dir, engine_factory=scripted_factory(model_dir))
+    try:
+        runner.start_runs(specs(4))
+        episodes = runner.sample(min_runs=4, timeout_s=30)
+        runs = runs_from_episodes(episodes)
+        assert sorted(r.run_id for r in runs) == ["gr0", "gr1", "gr2", "gr3"]
+        assert all(r.status == "finished" and r.reward == 1.0 for r in runs)
+        assert runner.num_live_runs() == 0 and runner.sample() == []
+        assert runner.get_metrics()["engine"]["requests"] == 8
+    finally:
+        runner.stop()
+
+
+def test_drain_sleep_wake_and_weights_with_the_hf_engine(model_dir):
+    runner = make_runner(model_dir)
+    try:
+        runner.start_runs(specs(2))
+        assert runner.num_live_runs() == 2
+        runner.drain()
+        with pytest.raises(RuntimeError, match="no new runs"):
+            runner.start_runs(specs(1, "h"))
+        with pytest.raises(RuntimeError, match="live runs"):
+            runner.sleep()                                   # never interrupts a live run
+        runs = runs_from_episodes(runner.sample(min_runs=2, timeout_s=60))
+        assert len(runs) == 2 and runner.num_live_runs() == 0
+        runner.sleep()
+        new = {k: v * 1.01 for k, v in load_model(model_dir).state_dict().items()}
+        runner.set_weights(new, version=2)
+        runner.wake_up()
+        runner.undrain()
+        runner.start_runs(specs(1, "h"))
+        (run,) = runs_from_episodes(runner.sample(min_runs=1, timeout_s=60))
+        assert {c.policy_version for c in run.calls} == {2} and runner.policy_version == 2
+    finally:
+        runner.stop()
+
+
+def test_bad_config_and_unknown_task_raise(model_dir):
+    with pytest.raises(ValueError, match="RolloutConfig.backend"):
+        RolloutConfig(model_dir=model_dir, backend="tgi")
+    with pytest.raises(ValueError, match="RolloutConfig"):
+        AgentEnvRunner(config=PPOConfig())
+    runner = make_runner(model_dir, engine_factory=scripted_factory(model_dir))
+    try:
+        with pytest.raises(UnknownTaskError, match="nope"):
+            runner.start_runs([RunSpec("nope", 0, "x", "g")])
+        assert runner.num_live_runs() == 0
+    finally:
+        runner.stop()
+
+
+@pytest.mark.ray
+def test_runner_as_a_ray_actor(model_dir, monkeypatch):
+    import ray
+
+    monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rx", dir="/tmp"))  # short: sockets
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        cfg = PPOConfig().environment(env_config={"xlong_rollout": RolloutConfig(
+            model_dir=model_dir, harness=HarnessConfig(max_new_tokens=16),
+            engine_factory=scripted_factory(model_dir))})
+        actor = ray.remote(num_cpus=1)(AgentEnvRunner).remote(config=cfg)
+        ray.get(actor.start_runs.remote(specs(3)))
+        episodes = ray.get(actor.sample.remote(min_runs=3, timeout_s=60))
+        runs = runs_from_episodes(episodes)
+        assert len(runs) == 3 and all(r.reward == 1.0 for r in runs)
+        assert np.all([c.output_ids.size > 0 for r in runs for c in r.calls])
+        ray.get(actor.stop.remote())
+    finally:
+        ray.shutdown()
