@@ -127,20 +127,25 @@ def test_a_policy_that_waits_for_nothing_is_reported():
             return ()
 
     job = SchedulingConfig(total_steps=1, batch_groups=1, runs_per_group=1, staleness_bound=0)
-    w = sample_workload(WorkloadConfig(median_run_h=1, sigma=0, timeout_h=2, tokens_per_run_h=1),
-                        runs=1, group_size=1, seed=0)
-    cluster = ClusterConfig(cells=2, nodes_per_cell=1, gpus_per_node=1, slots_per_cell=1)
-    costs = CostConfig(train_tokens_per_cell_h=1, step_fixed_h=0, to_train_h=0, sync_h=0)
     with pytest.raises(SimulationStalled, match="idle"):
-        simulate(Idle(), workload=w, cluster=cluster, costs=costs, config=job)
+        simulate(Idle(), workload=_unit_workload(1, 1), config=job, **_unit_cluster())
 
 
 def test_workload_size_must_match_the_job():
     job = SchedulingConfig(total_steps=1, batch_groups=1, runs_per_group=2, staleness_bound=0)
-    w = sample_workload(WorkloadConfig(median_run_h=1, sigma=0, timeout_h=2, tokens_per_run_h=1),
-                        runs=4, group_size=2, seed=0)
-    cluster = ClusterConfig(cells=2, nodes_per_cell=1, gpus_per_node=1, slots_per_cell=1)
-    costs = CostConfig(train_tokens_per_cell_h=1, step_fixed_h=0, to_train_h=0, sync_h=0)
+    w = _unit_workload(4, 2)
     with pytest.raises(ValueError, match="simulate.workload"):
-        simulate(ColocatedPolicy(), workload=w, cluster=cluster, costs=costs, config=job)
+        simulate(ColocatedPolicy(), workload=w, config=job, **_unit_cluster())
     assert dataclasses.is_dataclass(w)
+
+
+def _unit_workload(runs, group_size):
+    cfg = WorkloadConfig(median_run_h=1, sigma=0, timeout_h=2, tokens_per_run_h=1)
+    return sample_workload(cfg, runs=runs, group_size=group_size, seed=0)
+
+
+def _unit_cluster():
+    return {
+        "cluster": ClusterConfig(cells=2, nodes_per_cell=1, gpus_per_node=1, slots_per_cell=1),
+        "costs": CostConfig(train_tokens_per_cell_h=1, step_fixed_h=0, to_train_h=0, sync_h=0),
+    }
