@@ -11,7 +11,7 @@ cells on it (after their switch) work it down at one cell-hour per hour each; wh
 work is done and the step holds B groups, the fixed per-step cost follows and the step ends.
 
 Invariants: the policy is called with the state *after* each event, and again at the same
-instant until it returns no moves (at most ``MAX_ROUNDS``); the run is deterministic for a
+instant until it returns no moves (at most ``MAX_ROUNDS`` + 4 per cell); the run is deterministic for a
 (workload, policy, configs) tuple; a stall (nothing scheduled, job not done) raises.
 """
 
@@ -116,7 +116,8 @@ class _Sim:
             return
 
     def act(self) -> None:
-        for _ in range(MAX_ROUNDS):
+        rounds = MAX_ROUNDS + 4 * len(self.m.slots)
+        for _ in range(rounds):
             moves = self.policy.decide(self.m.snapshot(self.now), self.m.log[-1])
             if not moves:
                 return
@@ -129,7 +130,7 @@ class _Sim:
                 elif isinstance(move, Sync):
                     self.delay(move.cell, self.costs.sync_h)
             self.train()
-        raise RuntimeError(f"{self.policy.name}: still moving after {MAX_ROUNDS} rounds at {self.now}")
+        raise RuntimeError(f"{self.policy.name}: still moving after {rounds} rounds at {self.now}")
 
     def delay(self, cell: int, hours: float) -> None:
         self.m.busy_until(cell, self.now + hours)
