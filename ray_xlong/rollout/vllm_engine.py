@@ -69,6 +69,7 @@ class VLLMEngine(BatchingEngine):
         from vllm import LLM
 
         self.llm = LLM(**self._args)
+        self._threads = torch.get_num_threads()
 
     # -- hooks ------------------------------------------------------------------------------
     def _run_batch(self, requests: Sequence[tuple[np.ndarray, SamplingConfig, int]]
@@ -76,6 +77,9 @@ class VLLMEngine(BatchingEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        # OpenMP thread counts are per OS thread; vLLM's CPU attention checks that the batch
+        # runs with the count it was built with, and batches run in a worker thread.
+        torch.set_num_threads(self._threads)
         prompts = [TokensPrompt(prompt_token_ids=ids.tolist()) for ids, _, _ in requests]
         params = [SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, seed=seed,
                                  stop_token_ids=list(s.stop_token_ids), logprobs=0,

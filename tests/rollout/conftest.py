@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ray_xlong.models import build_tiny_model_dir, load_tokenizer
 from ray_xlong.rollout import ChatFormat
@@ -11,7 +10,6 @@ from ray_xlong.rollout import ChatFormat
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    torch.set_num_threads(1)
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
