@@ -8,6 +8,8 @@ depends on the attention implementation:
   eager (it would be *added* as 0/1), so it is never passed there.
 * ``sdpa``: a bool mask (True = attend).
 * ``flex_attention`` (GPU): a ``BlockMask`` built from the same ``kv_end`` rule.
+* ``xlong_tree`` (``tree_attention.py``, any device): no mask at all; a plan of segments makes
+  attention skip the pairs a dense mask would compute and hide (the CPU training path).
 
 Logits are computed only at source positions: the decoder's hidden states are gathered at
 ``target_src`` before the output projection, so memory is ``T × V``, not ``R × L × V``.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ray_xlong.trajectory.packing import PackedBatch
+from ray_xlong.trajectory.tree_attention import ATTN_IMPLEMENTATION, tree_plan
 
 
 def tree_mask_bool(kv_end: torch.Tensor) -> torch.Tensor:
@@ -57,16 +60,21 @@ def tree_block_mask(kv_end: torch.Tensor):
                              device=kv_end.device)
 
 
-def attention_inputs(model: torch.nn.Module, batch: PackedBatch, *, device=None):
-    """``(input_ids, attention_mask, position_ids)`` ready for ``model(...)``."""
+def attention_inputs(model: torch.nn.Module, batch: PackedBatch, *, device=None) -> dict:
+    """Keyword arguments for the model's decoder: ids, mask, positions (and a tree plan)."""
     device = device or next(model.parameters()).device
-    ids = batch.input_ids.to(device)
-    pos = batch.position_ids.to(device)
     mask = batch.attention_mask.to(device)
+    extra = {}
     if batch.layout == "tree":
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
-        mask = tree_mask(mask, attn_implementation=impl, dtype=next(model.parameters()).dtype)
-    return ids, mask, pos
+        if impl == ATTN_IMPLEMENTATION:
+            extra["tree_plan"] = tree_plan(mask, batch.valid)
+            mask = mask[:, None, None, :]          # 4D: HF passes it through untouched
+        else:
+            mask = tree_mask(mask, attn_implementation=impl,
+                             dtype=next(model.parameters()).dtype)
+    return dict(input_ids=batch.input_ids.to(device), attention_mask=mask,
+                position_ids=batch.position_ids.to(device), **extra)
 
 
 def token_logprobs(model: torch.nn.Module, batch: PackedBatch, *,
@@ -81,8 +89,7 @@ def token_logprobs(model: torch.nn.Module, batch: PackedBatch, *,
     Returns:
         ``[T]`` logprobs, in the batch's canonical target order (the same in both layouts).
     """
-    ids, mask, pos = attention_inputs(model, batch)
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos,
+    hidden = model.get_decoder()(**attention_inputs(model, batch),
                                  use_cache=False).last_hidden_state
     device = hidden.device
     picked = hidden[batch.target_row.to(device), batch.target_src.to(device)]

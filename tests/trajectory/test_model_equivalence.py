@@ -44,6 +44,8 @@ def loss_and_grads(model, layout, k=3, row_tokens=128):
     pytest.param("llama", torch.float64, "sdpa", 1e-9, id="llama-fp64-sdpa"),
     pytest.param("qwen2", torch.float32, "sdpa", 1e-5, id="qwen2-fp32-sdpa"),
     pytest.param("llama", torch.float32, "eager", 1e-5, id="llama-fp32-eager"),
+    pytest.param("qwen2", torch.float64, "xlong_tree", 1e-9, id="qwen2-fp64-tree-attention"),
+    pytest.param("llama", torch.float32, "xlong_tree", 1e-5, id="llama-fp32-tree-attention"),
 ])
 def test_tree_and_per_trajectory_agree(arch, dtype, impl, tol):
     model = tiny_causal_lm(TinyModelConfig(arch=arch, vocab_size=VOCAB), seed=0, dtype=dtype,

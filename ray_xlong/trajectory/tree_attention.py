@@ -1,0 +1,143 @@
+"""Tree attention: exact ancestor-or-self attention that skips what the mask would hide.
+
+A dense tree mask makes every row cost ``L²`` (a run's whole tree), which can exceed the
+per-trajectory cost ``Σ Lᵢ²/2`` and eat the dedup gain. This attention computes only the pairs
+the tree allows, on any device, with plain ``scaled_dot_product_attention``.
+
+The rule ``mask[i, j] = j <= i < kv_end[j]`` splits a row into *segments*: maximal runs of
+consecutive tokens with equal ``kv_end`` (a node, merged with its last-child chain). For a
+segment ``[a, b)``, every earlier key is either an ancestor of the whole segment
+(``kv_end[j] > a``) or of none of it (``kv_end[j] <= a``), so a segment attends to::
+
+    keys = ancestors(a) ++ [a, b)        mask = [ all ancestors | causal within the segment ]
+
+    flat   0   1   2   3   4   5   6   7   8   9
+    token  sys u1 >a1 >a2 t1 >b1  S >s1 >s2 >x1
+    kv_end 10  10  10   9   9   9   9   9   9  10
+    segments: [0,3) keys {} + 0..2 · [3,9) keys 0..2 + 3..8 · [9,10) keys 0..2 + 9
+
+Long segments are cut into chunks of ``chunk`` queries; a chunk sees the segment's ancestors and
+the segment's earlier tokens in full and itself causally, so the masked-out triangle computed
+and thrown away is at most ``chunk²/2`` per chunk. Work ≈ Σ over tree tokens of their depth,
+≤ the per-trajectory work Σ Lᵢ²/2 (every tree token sits at the same depth in some trajectory).
+Registered with transformers as ``attn_implementation="xlong_tree"``; without a plan (e.g. the
+per-trajectory layout or generation) it falls back to HF's sdpa path, so one model serves both.
+Padding queries (after a row's last real token) get zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "xlong_tree"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TreeSegment:
+    """Queries ``[start, stop)`` of ``row`` attend to ``keys`` (ancestors, then themselves)."""
+
+    row: int
+    """Row of the packed batch."""
+    start: int
+    """First query column."""
+    stop: int
+    """One past the last query column."""
+    keys: torch.Tensor
+    """``[n_prefix + stop − start]`` int64 key columns: all visible keys before ``start``
+    (ancestors, then the segment's earlier chunks), ascending, then ``start..stop-1``."""
+
+    @property
+    def num_prefix(self) -> int:
+        """Keys before ``start`` (seen in full)."""
+        return int(self.keys.numel()) - (self.stop - self.start)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TreePlan:
+    """The segments of every row (see module docstring)."""
+
+    rows: tuple[tuple[TreeSegment, ...], ...]
+    """Each row's segments, left to right (covering its real tokens once)."""
+    valid_lengths: tuple[int, ...]
+    """Real tokens per row (padding follows)."""
+
+    @property
+    def work(self) -> int:
+        """Query-key pairs computed: Σ (stop − start) · |keys|."""
+        return sum((s.stop - s.start) * int(s.keys.numel()) for row in self.rows for s in row)
+
+
+def tree_plan(kv_end: torch.Tensor, valid: torch.Tensor, *, chunk: int = 256) -> TreePlan:
+    """Segments of a tree batch.
+
+    Args:
+        kv_end: ``[R, L]`` int64 (``PackedBatch.attention_mask`` of the tree layout).
+        valid: ``[R, L]`` bool, real tokens (a prefix of each row).
+        chunk: most queries per segment piece (>= 1).
+
+    Returns:
+        The plan; its key tensors live on ``kv_end``'s device.
+    """
+    rows = []
+    lengths = valid.sum(dim=1).tolist()
+    ends = kv_end.cpu().numpy()
+    for row, n in enumerate(lengths):
+        kv = ends[row, :n]
+        starts = np.concatenate([[0], np.flatnonzero(kv[1:] != kv[:-1]) + 1]).astype(np.int64)
+        stops = np.append(starts[1:], n)
+        segments = []
+        for a, b in zip(starts.tolist(), stops.tolist()) if n else ():
+            ancestors = np.flatnonzero(kv[:a] > a)
+            for lo in range(a, b, chunk):
+                keys = np.concatenate([ancestors, np.arange(a, min(b, lo + chunk))])
+                segments.append(TreeSegment(row, lo, min(b, lo + chunk),
+                                            torch.from_numpy(keys).to(kv_end.device)))
+        rows.append(tuple(segments))
+    return TreePlan(tuple(rows), tuple(int(n) for n in lengths))
+
+
+def _segment_attention(query, key, value, seg: TreeSegment, scaling, dropout):
+    q = query[seg.row:seg.row + 1, :, seg.start:seg.stop]
+    k = key[seg.row:seg.row + 1].index_select(2, seg.keys)
+    v = value[seg.row:seg.row + 1].index_select(2, seg.keys)
+    m, n_anc = seg.stop - seg.start, seg.num_prefix
+    own = torch.ones(m, m, dtype=torch.bool, device=query.device).tril()
+    mask = torch.cat([torch.ones(m, n_anc, dtype=torch.bool, device=query.device), own], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                          scale=scaling, enable_gqa=key.shape[1] != q.shape[1])
+
+
+def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, attention_mask, dropout: float = 0.0,
+                           scaling: float | None = None, tree_plan: TreePlan | None = None,
+                           **kwargs):
+    """HF attention-interface function (``query [B, H, L, D]``, ``key/value [B, Hkv, L, D]``).
+
+    Returns ``(output [B, L, H, D], None)`` like HF's implementations.
+    """
+    if tree_plan is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    dropout = dropout if module.training else 0.0
+    rows = []
+    for segments, n in zip(tree_plan.rows, tree_plan.valid_lengths):
+        parts = [_segment_attention(query, key, value, s, scaling, dropout) for s in segments]
+        pad = query.new_zeros(1, query.shape[1], query.shape[2] - n, value.shape[-1])
+        rows.append(torch.cat(parts + [pad], dim=2))
+    return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register ``xlong_tree`` with transformers (idempotent); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, tree_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    return ATTN_IMPLEMENTATION
