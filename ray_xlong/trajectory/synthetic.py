@@ -34,7 +34,8 @@ class SyntheticConfig:
     """Shape of generated runs."""
 
     num_calls: int = 40
-    """Main-agent calls of a run that does not stop early (retries and summaries included)."""
+    """Main-agent turns of a run that does not stop early (summary calls included; a run's
+    total calls add ``num_retries`` and ``num_subagents × subagent_calls``)."""
     vocab_size: int = 1000
     """Token ids are drawn from ``[0, vocab_size)``."""
     system_tokens: int = 16
@@ -65,7 +66,7 @@ class SyntheticConfig:
     @classmethod
     def paper(cls) -> "SyntheticConfig":
         """636 calls, context growing to ~700k tokens, compactions, subagents, retries."""
-        return cls(num_calls=636, vocab_size=150_000, system_tokens=4000, task_tokens=2000,
+        return cls(num_calls=597,                      # + 3 retries + 3 × 12 subagent calls = 636 vocab_size=150_000, system_tokens=4000, task_tokens=2000,
                    tool_tokens_mean=1500.0, output_tokens_mean=420.0, tail_sigma=1.0,
                    context_budget=700_000, summary_tokens=4000, num_subagents=3,
                    subagent_calls=12, num_retries=3, timeout_prob=0.0, failed_prob=0.0)
