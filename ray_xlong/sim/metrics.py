@@ -2,10 +2,13 @@
 
 Lower bound = max(work bound, chain bound):
 
-* work: (Σ run duration ÷ slots per cell  +  Σ trained tokens ÷ tokens per cell-hour) ÷ cells
-  + steps × fixed step cost (the fixed cost is sequential and blocks the next update);
-* chain: the longest run + the training of one group on every cell + the fixed cost of every
-  step (some run must end before the last step can end; steps are applied one by one).
+* work: (Σ run duration ÷ slots per cell  +  Σ trained tokens ÷ tokens per cell-hour
+  + steps × fixed step cost) ÷ cells. The fixed cost occupies at least one cell per step; it
+  does not stop the other cells (elastic / async cells keep rolling out meanwhile), so it is
+  cell-time, not wall time;
+* chain: the longest run, then the training of that run's group (at best on every cell), then
+  one fixed step cost (the step holding that group cannot end earlier); and the fixed costs of
+  all steps, which are applied one by one after the first group ended.
 
 No schedule can beat either, so every mode's makespan is >= the bound (a property test).
 """
@@ -26,10 +29,13 @@ def lower_bound_h(*, workload: Workload, cluster: ClusterConfig, costs: CostConf
     rollout = sum(workload.durations_h) / cluster.slots_per_cell
     training = sum(workload.tokens) / costs.train_tokens_per_cell_h
     fixed = config.total_steps * costs.step_fixed_h
-    work = (rollout + training) / cluster.cells + fixed
-    one_group = min(workload.group_tokens(g) for g in range(config.total_groups))
-    chain = max(workload.durations_h) + one_group / costs.train_tokens_per_cell_h / cluster.cells
-    return max(work, chain + fixed)
+    work = (rollout + training + fixed) / cluster.cells
+    g = config.runs_per_group
+    ends = [max(workload.durations_h[k * g:(k + 1) * g]) for k in range(config.total_groups)]
+    last = max(range(config.total_groups), key=lambda k: ends[k])
+    chain_last = ends[last] + workload.group_tokens(last) / costs.train_tokens_per_cell_h / cluster.cells
+    chain_steps = min(ends) + fixed
+    return max(work, chain_last + costs.step_fixed_h, chain_steps)
 
 
 @dataclass(frozen=True, slots=True)

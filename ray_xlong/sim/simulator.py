@@ -108,6 +108,8 @@ class _Sim:
         if what == "run_end":
             m.run_ended(a, b, self.now)
         elif what == "ready":
+            if abs(m.ready_at[a] - self.now) > EPS:
+                return  # superseded: a later switch / sync on this cell moved its ready time
             m.cell_ready(a, self.now)
         elif what == "step_end":
             self.finishing = False

@@ -53,8 +53,9 @@ def setups(draw):
     return job, w, cluster, costs
 
 
-def check_log(result, job):
+def check_log(result, job, costs=None):
     live: dict[int, set[int]] = {}
+    syncing: dict[int, float] = {}
     started, ended = set(), set()
     for e in result.events:
         if e.kind == "run_started":
@@ -67,6 +68,11 @@ def check_log(result, job):
             ended.add(e.run)
         elif e.kind == "role" and e.role in ("training", "syncing"):
             assert not live.get(e.cell), f"cell {e.cell} left rollout with live runs"
+            if e.role == "syncing":
+                syncing[e.cell] = e.time
+        elif e.kind == "role" and e.role == "rollout" and e.cell in syncing and costs is not None:
+            took = e.time - syncing.pop(e.cell)
+            assert took >= costs.sync_h - 1e-9, f"cell {e.cell} synced in {took} < sync_h"
     assert started >= ended
     times = [e.time for e in result.events]
     assert times == sorted(times)
@@ -78,7 +84,7 @@ def test_invariants_hold_for_every_mode(setup, mode):
     job, w, cluster, costs = setup
     policy = MODES[mode](cluster.cells)
     result = simulate(policy, workload=w, cluster=cluster, costs=costs, config=job)
-    check_log(result, job)
+    check_log(result, job, costs)
     # every ended group trained exactly once, each step B groups, staleness within the bound
     assert sorted(result.trained_step) == [s for s in range(job.total_steps) for _ in range(job.batch_groups)]
     assert all(0 <= s <= job.staleness_bound for s in result.staleness)
@@ -115,6 +121,40 @@ def test_identical_runs_without_tail_elastic_matches_colocated(steps, bound, cel
     train_h = sum(w.tokens) / costs.train_tokens_per_cell_h  # all training on a single cell
     overhead = steps * (2 * switch + costs.step_fixed_h) + train_h
     assert abs(ela - col) <= overhead + 1e-9
+
+
+def test_a_superseded_switch_does_not_cut_a_sync_short():
+    """Regression: a cell joins a step (switch ready at t + to_train), the step ends first, the
+    cell syncs (ready at t' + sync_h). The switch's stale "ready" event used to flip the syncing
+    cell back to rollout early, skipping part of the sync. Found by a random search (seed 253)."""
+    job = SchedulingConfig(total_steps=4, batch_groups=2, runs_per_group=1, staleness_bound=1)
+    wl = WorkloadConfig(median_run_h=0.3771643700175359, sigma=0.6690351523020179,
+                        timeout_h=1.7236668571805742, tokens_per_run_h=1e5)
+    w = sample_workload(wl, runs=job.total_runs, group_size=1, seed=253)
+    cluster = ClusterConfig(cells=3, nodes_per_cell=1, gpus_per_node=8, slots_per_cell=3)
+    costs = CostConfig(train_tokens_per_cell_h=724376.3069266975, step_fixed_h=0.05,
+                       to_train_h=0.14408613446213697, sync_h=0.09521920955540553)
+    result = simulate(ElasticPolicy(), workload=w, cluster=cluster, costs=costs, config=job)
+    check_log(result, job, costs)
+    # each role entry after a superseded switch is logged once: rollout follows syncing only
+    back = [e for e in result.events if e.kind == "role" and e.role == "rollout"]
+    assert len(back) == sum(1 for e in result.events if e.kind == "role" and e.role == "syncing")
+
+
+def test_lower_bound_counts_the_fixed_step_cost_as_cell_time():
+    """The fixed step cost blocks the next update, not the rollout cells. Async (1 rollout cell,
+    1 trainer), 4 steps of one 1 h run, fixed cost 1 h: runs end at 1, 2, 3, 4 h and the steps at
+    ~2, 3, 4, 5 h. The old bound (R + T) / cells + steps × fixed = (4 + 0.04) / 2 + 4 = 6.02 h
+    exceeded that real schedule; the bound is now max((4 + 0.04 + 4) / 2, 1 + 0.005 + 1, 1 + 4)
+    = 5 h."""
+    job = SchedulingConfig(total_steps=4, batch_groups=1, runs_per_group=1, staleness_bound=3)
+    cluster = ClusterConfig(cells=2, nodes_per_cell=1, gpus_per_node=1, slots_per_cell=1)
+    costs = CostConfig(train_tokens_per_cell_h=100, step_fixed_h=1, to_train_h=0, sync_h=0)
+    w = _unit_workload(4, 1)
+    result = simulate(AsyncPolicy(rollout_cells=1), workload=w, cluster=cluster, costs=costs, config=job)
+    lb = lower_bound_h(workload=w, cluster=cluster, costs=costs, config=job)
+    assert result.makespan_h == pytest.approx(5.04)
+    assert lb == pytest.approx(5.0) and result.makespan_h >= lb
 
 
 def test_a_policy_that_waits_for_nothing_is_reported():
