@@ -26,6 +26,7 @@ KINDS = (
     "step_joined",  # `cell` joined step `step` in progress
     "step_starved",  # step `step` consumed all ready work and waits for groups
     "step_ended",  # step `step` applied: policy version is now `step + 1`
+    "micro_batch",  # `cell` finished one micro-batch of step `step` (Ray driver only)
     "finish",  # every step trained; no cell
 )
 

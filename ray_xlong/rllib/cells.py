@@ -1,0 +1,234 @@
+"""Cells as Ray placement groups: created once, each hosting an engine runner and a Learner.
+
+```
+cell c = placement group, strategy STRICT_SPREAD (one bundle per node) or PACK
+  bundle 0 {CPU: cpus_per_bundle, GPU: gpus_per_node [, learner_resource: 1]}  ◄─ CellRunner
+  bundle 1 … nodes_per_cell-1 (the cell's other nodes)                               XLongLearner
+```
+
+Both actors of a cell share bundle 0 (half its CPUs each; the runner takes the logical GPUs).
+The Learner never asks for "GPU" on a host without CUDA (RLlib's NCCL path fails on logical
+GPUs): it takes CPU from the bundle, or ``learner_resource`` when one is configured. A role
+switch sleeps one actor and wakes the other; placement groups are never created after
+:func:`create_cells` (``CellPool.placement_groups_created`` counts them).
+
+:func:`check_layout` is pure: it validates a layout against node resources before anything is
+created and names the numbers when it cannot fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Mapping, Sequence
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
+from ray_xlong.rllib.learner import LearnerSettings, XLongLearner, learner_config
+from ray_xlong.rollout.tasks import TASKS, TaskFactory, register_task
+
+STRATEGIES = ("STRICT_SPREAD", "PACK", "SPREAD", "STRICT_PACK")
+
+
+class LayoutError(ValueError):
+    """The cell layout cannot be placed on the cluster (the message names the numbers)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CellLayout:
+    """How cells map onto nodes."""
+
+    cells: int
+    """Number of cells."""
+    nodes_per_cell: int = 1
+    """Bundles (nodes) per cell."""
+    gpus_per_node: int = 1
+    """GPUs per bundle (logical GPUs on this machine)."""
+    cpus_per_bundle: float = 1.0
+    """CPUs per bundle (the runner and the learner take half each)."""
+    strategy: str = "STRICT_SPREAD"
+    """Placement strategy of a cell's bundles."""
+    learner_resource: str = "CPU"
+    """``CPU``, or a custom resource name the learner takes one unit of."""
+
+    def __post_init__(self) -> None:
+        for name in ("cells", "nodes_per_cell"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CellLayout.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.gpus_per_node < 0 or not self.cpus_per_bundle > 0:
+            raise ValueError(f"CellLayout.gpus_per_node must be >= 0 and cpus_per_bundle > 0, "
+                             f"got {self.gpus_per_node!r}, {self.cpus_per_bundle!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"CellLayout.strategy must be one of {STRATEGIES}, "
+                             f"got {self.strategy!r}")
+        if self.learner_resource in ("GPU", ""):
+            raise ValueError("CellLayout.learner_resource must be 'CPU' or a custom resource "
+                             "(a learner asking for logical GPUs would try NCCL)")
+
+    def bundle(self) -> dict[str, float]:
+        """Resources of one bundle."""
+        out = {"CPU": self.cpus_per_bundle}
+        if self.gpus_per_node:
+            out["GPU"] = float(self.gpus_per_node)
+        if self.learner_resource != "CPU":
+            out[self.learner_resource] = 1.0
+        return out
+
+
+def check_layout(layout: CellLayout, nodes: Sequence[Mapping[str, float]]) -> None:
+    """Raise :class:`LayoutError` when ``layout`` cannot fit ``nodes`` (resource dicts).
+
+    A node holds ``min over resources ⌊node[r] / bundle[r]⌋`` bundles; STRICT_SPREAD needs
+    ``nodes_per_cell`` distinct nodes per cell.
+    """
+    need = layout.bundle()
+    fits = [min(int(n.get(r, 0.0) // v) for r, v in need.items()) for n in nodes]
+    total = layout.cells * layout.nodes_per_cell
+    spread = layout.strategy == "STRICT_SPREAD"
+    usable = sum(min(f, layout.cells) if spread else f for f in fits)
+    hosts = sum(1 for f in fits if f > 0)
+    if spread and hosts < layout.nodes_per_cell:
+        raise LayoutError(
+            f"CellLayout: STRICT_SPREAD cells of nodes_per_cell={layout.nodes_per_cell} need "
+            f"that many nodes with a free bundle {need}, the cluster has {hosts} of {len(nodes)}")
+    if usable < total:
+        raise LayoutError(
+            f"CellLayout: {layout.cells} cells × nodes_per_cell={layout.nodes_per_cell} = "
+            f"{total} bundles of {need} (gpus_per_node={layout.gpus_per_node}), the cluster's "
+            f"{len(nodes)} nodes hold {usable}")
+    if layout.strategy == "STRICT_PACK" and max(fits, default=0) < layout.nodes_per_cell:
+        raise LayoutError(f"CellLayout: STRICT_PACK puts {layout.nodes_per_cell} bundles of "
+                          f"{need} on one node; the largest node holds {max(fits, default=0)}")
+
+
+class CellRunner(AgentEnvRunner):
+    """The cell's rollout side: :class:`AgentEnvRunner` plus the calls a role switch makes.
+
+    ``wait_ended`` runs in its own concurrency group so that it can block without delaying
+    ordered role calls (``suspend`` / ``resume`` / ``start_runs`` keep submission order).
+    """
+
+    def __init__(self, *, config: Any, rollout_config: RolloutConfig,
+                 tasks: Mapping[str, TaskFactory]) -> None:
+        for name, factory in tasks.items():
+            if name not in TASKS:
+                register_task(name, factory)
+        super().__init__(config=config, rollout_config=rollout_config)
+
+    @ray.method(concurrency_group="poll")
+    def wait_ended(self, timeout_s: float) -> list:
+        """The :class:`RunResult` of runs ended since the last call; waits up to
+        ``timeout_s`` for at least one."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ended and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return self.sample_results()
+
+    def suspend(self) -> float:
+        """Rollout → training: drain and sleep the engine (raises with live runs). Returns
+        the seconds it took."""
+        t = time.perf_counter()
+        self.drain()
+        self.sleep()
+        return time.perf_counter() - t
+
+    def resume(self, weights: Mapping[str, Any] | None, version: int, after: Any = None) -> float:
+        """Training → rollout: load ``weights`` of ``version`` (if given), wake, take runs
+        again. ``after`` is ignored (pass the learner's sleep ref to order the two). Returns
+        the seconds it took."""
+        t = time.perf_counter()
+        if weights is not None:
+            self.set_weights(weights, version)
+        self.wake_up()
+        self.undrain()
+        return time.perf_counter() - t
+
+
+@dataclasses.dataclass(slots=True)
+class Cell:
+    """One cell: its placement group and the two actors sharing bundle 0."""
+
+    index: int
+    """Cell index."""
+    pg: Any
+    """The placement group (kept for the whole job)."""
+    runner: Any
+    """``CellRunner`` actor."""
+    learner: Any
+    """``XLongLearner`` actor (built)."""
+
+
+@dataclasses.dataclass(slots=True)
+class CellPool:
+    """All cells, created once."""
+
+    layout: CellLayout
+    """Their layout."""
+    cells: list[Cell]
+    """By index."""
+    placement_groups_created: int
+    """Placement groups this pool created (== cells: role switches create none)."""
+    startup_s: float
+    """Seconds to create the groups and start every actor."""
+    initial_state: Any = None
+    """Object ref of the learners' version-0 state (to reset between jobs)."""
+    initial_weights: Any = None
+    """Object ref of the version-0 weights (engines are reset to them)."""
+
+    def shutdown(self) -> None:
+        """Stop the actors and remove the placement groups."""
+        for cell in self.cells:
+            for actor in (cell.runner, cell.learner):
+                ray.kill(actor)
+            remove_placement_group(cell.pg)
+
+
+def create_cells(layout: CellLayout, *, rollout: RolloutConfig, learner: LearnerSettings,
+                 tasks: Mapping[str, TaskFactory] | None = None, seed: int = 0,
+                 ready_timeout_s: float = 120.0) -> CellPool:
+    """Validate ``layout`` against the cluster, create one placement group per cell and start
+    a runner and a learner in each (blocking until all are up).
+
+    Raises:
+        LayoutError: the layout does not fit the cluster's alive nodes.
+    """
+    t0 = time.perf_counter()
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    check_layout(layout, nodes)
+    pgs = [placement_group([layout.bundle()] * layout.nodes_per_cell, strategy=layout.strategy)
+           for _ in range(layout.cells)]
+    try:
+        ray.get([pg.ready() for pg in pgs], timeout=ready_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise LayoutError(f"CellLayout: {layout.cells} placement groups of "
+                          f"{layout.nodes_per_cell} × {layout.bundle()} not placed within "
+                          f"{ready_timeout_s:g} s") from None
+    cells = [_start_cell(c, pg, layout, rollout, learner, dict(tasks or {}), seed)
+             for c, pg in enumerate(pgs)]
+    ray.get([cell.learner.build.remote() for cell in cells])
+    ray.get([cell.runner.num_live_runs.remote() for cell in cells])
+    pool = CellPool(layout, cells, len(pgs), time.perf_counter() - t0)
+    pool.initial_state = cells[0].learner.get_xlong_state.remote()
+    pool.initial_weights = cells[0].learner.get_weights.remote()
+    return pool
+
+
+def _start_cell(index: int, pg: Any, layout: CellLayout, rollout: RolloutConfig,
+                learner: LearnerSettings, tasks: dict, seed: int) -> Cell:
+    on_cell = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+    half = layout.cpus_per_bundle / 2
+    from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+
+    runner = ray.remote(concurrency_groups={"poll": 1})(CellRunner).options(
+        num_cpus=half, num_gpus=layout.gpus_per_node, scheduling_strategy=on_cell).remote(config=AlgorithmConfig(), rollout_config=rollout,
+                                            tasks=tasks)
+    extra = {} if layout.learner_resource == "CPU" else {layout.learner_resource: 1.0}
+    config, spec = learner_config(learner, seed=seed)
+    actor = ray.remote(XLongLearner).options(
+        num_cpus=half if not extra else 0, num_gpus=0, resources=extra,
+        scheduling_strategy=on_cell).remote(
+            config=config, module_spec=spec)
+    return Cell(index, pg, runner, actor)

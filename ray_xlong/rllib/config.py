@@ -1,0 +1,80 @@
+"""``XLongConfig``: one record for a job on cells — mode, job shape, layout, rollout, learner.
+
+The mode is one field; every mode runs the same actuator (``actuator.py``), only the policy
+object from ``ray_xlong.scheduling`` changes (:func:`make_policy`)::
+
+    colocated            ColocatedPolicy()          all cells switch together
+    async                AsyncPolicy(rollout_cells) fixed pools
+    elastic              ElasticPolicy()            independent switches, streaming, joining
+    colocated+streaming / async+streaming           the streaming ablations
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ray_xlong.rllib.cells import CellLayout
+from ray_xlong.rllib.learner import LearnerSettings
+from ray_xlong.rllib.long_horizon_job import LongHorizonJob
+from ray_xlong.rollout import HarnessConfig
+from ray_xlong.scheduling import (AsyncPolicy, ColocatedPolicy, ElasticPolicy, Policy,
+                                  SchedulingConfig)
+from ray_xlong.trajectory import ProcessorConfig
+
+MODES = ("colocated", "async", "elastic", "colocated+streaming", "async+streaming")
+"""Valid ``XLongConfig.mode`` values."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class XLongConfig:
+    """A job on cells (each field validated at construction)."""
+
+    mode: str
+    """One of :data:`MODES`."""
+    job: SchedulingConfig
+    """Steps, groups per step, runs per group, staleness bound."""
+    layout: CellLayout
+    """Cells and their placement."""
+    learner: LearnerSettings
+    """Model, optimizer, loss, micro-batch size."""
+    slots_per_cell: int = 4
+    """Runs one rollout cell serves at once."""
+    async_rollout_cells: int = 1
+    """Rollout pool of the async modes."""
+    work: LongHorizonJob = LongHorizonJob()
+    """The task runs do."""
+    harness: HarnessConfig = HarnessConfig(max_new_tokens=32, wall_clock_s=8.0,
+                                           tool_timeout_s=8.0)
+    """Run budgets (``wall_clock_s`` is the run timeout)."""
+    processor: ProcessorConfig = ProcessorConfig()
+    """Trajectory processor (tree packing, K, loss normalisation)."""
+    poll_s: float = 0.5
+    """Longest a runner's ``wait_ended`` blocks."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"XLongConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if self.slots_per_cell < 1:
+            raise ValueError(f"XLongConfig.slots_per_cell must be >= 1, "
+                             f"got {self.slots_per_cell!r}")
+        if self.mode.startswith("async") and not 1 <= self.async_rollout_cells < self.layout.cells:
+            raise ValueError(f"XLongConfig.async_rollout_cells must be in [1, cells-1] = "
+                             f"[1, {self.layout.cells - 1}], got {self.async_rollout_cells!r}")
+        if self.processor.pack == "none":
+            raise ValueError("XLongConfig.processor.pack must be 'tree' or 'per_trajectory'")
+        if not self.poll_s > 0:
+            raise ValueError(f"XLongConfig.poll_s must be > 0, got {self.poll_s!r}")
+
+
+def make_policy(config: XLongConfig) -> Policy:
+    """The scheduling policy of ``config.mode`` (the same objects the simulator runs)."""
+    r = config.async_rollout_cells
+    return {
+        "colocated": lambda: ColocatedPolicy(),
+        "async": lambda: AsyncPolicy(rollout_cells=r),
+        "elastic": lambda: ElasticPolicy(),
+        "colocated+streaming": lambda: ColocatedPolicy(streaming=True,
+                                                       name="colocated+streaming"),
+        "async+streaming": lambda: AsyncPolicy(rollout_cells=r, streaming=True,
+                                               name="async+streaming"),
+    }[config.mode]()

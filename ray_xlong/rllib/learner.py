@@ -1,0 +1,232 @@
+"""``XLongLearner``: an RLlib ``TorchLearner`` with the token-level loss, driven micro-batch by
+micro-batch by the elastic learner group (``learner_group.py``).
+
+RLlib's ``Learner.update`` runs a whole batch on a fixed group; a cell's Learner instead takes
+part in a step for as many micro-batches as the scheduler gives it, so the step is split::
+
+    wake_up(state, version)        load the step's weights + optimizer state if behind
+    accumulate(micro, weight) × k  grad += ∇(weight · Σ loss_scale · ℓ)  (local, no reduce yet)
+    take_gradients()               → {param name: summed grad} (zeros if it took no micro-batch)
+    apply_step(grads, total)       grad = Σ grads / total; one optimizer step; version + 1
+    get_state() / get_weights()    what joiners and engines load
+
+``weight`` is the normalizer of the chunk the micro-batch came from (its ``num_targets`` for
+``loss_norm="token"``), so ``accumulate`` adds *un-normalised* token-loss gradients and
+``apply_step`` divides by the step's total: the update equals the gradient of the whole batch
+processed at once, however the micro-batches were spread over cells (DESIGN.md invariant 7).
+Every participant applies the same reduced gradient in the same order, so their weights and
+Adam moments stay identical; a cell that did not take part reloads the state when it joins.
+
+Loss (``compute_loss_for_module``): ``policy_loss(token_logprobs(lm, packed), packed, loss)``
+— truncated importance ratio or PPO clip against the behaviour logprobs, count-once weights in
+``loss_scale``. Config: ``AlgorithmConfig.learner_config_dict["xlong"]`` is a
+:class:`LearnerSettings`.
+
+Learners never request "GPU" on a machine without CUDA (RLlib would try NCCL on logical GPUs):
+the cell gives them CPU from its bundle (``cells.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import ray
+import torch
+from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.core.learner.torch.torch_learner import TorchLearner
+from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
+
+from ray_xlong.rllib.connector import packed_from_batch
+from ray_xlong.trajectory.loss import LossConfig, policy_loss
+from ray_xlong.trajectory.model import token_logprobs
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+"""``LearnerSettings.dtype`` names."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LearnerSettings:
+    """What a cell's Learner trains and how."""
+
+    model_dir: str
+    """Model directory (``ray_xlong.models.build_tiny_model_dir``); engines load the same."""
+    lr: float = 1e-4
+    """Adam learning rate."""
+    loss: LossConfig = LossConfig()
+    """Token loss form (PPO clip / truncated IS)."""
+    dtype: str = "float32"
+    """Training dtype: one of :data:`DTYPES`."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch (rows × width)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_dir, str) or not self.model_dir:
+            raise ValueError(f"LearnerSettings.model_dir must be a path string, "
+                             f"got {self.model_dir!r}")
+        if not self.lr > 0:
+            raise ValueError(f"LearnerSettings.lr must be > 0, got {self.lr!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"LearnerSettings.dtype must be one of {sorted(DTYPES)}, "
+                             f"got {self.dtype!r}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"LearnerSettings.micro_batch_tokens must be >= 1, "
+                             f"got {self.micro_batch_tokens!r}")
+
+
+class XLongModule(TorchRLModule):
+    """An RLModule holding a HF causal LM (``model_config``: ``model_dir``, ``dtype``)."""
+
+    def setup(self) -> None:
+        from ray_xlong.models import load_model
+
+        cfg = self.model_config or {}
+        self.lm = load_model(cfg["model_dir"], dtype=DTYPES[cfg.get("dtype", "float32")])
+        self.lm.train()
+
+    def _forward(self, batch: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        return {}  # the loss reads the LM directly (token_logprobs on packed batches)
+
+
+class XLongLearner(TorchLearner):
+    """TorchLearner with the token loss and the elastic step API (module docstring)."""
+
+    def build(self) -> None:
+        super().build()
+        self.settings: LearnerSettings = self.config.learner_config_dict["xlong"]
+        self.version = 0
+        self.asleep = False
+        self.micro_batches = 0
+        self.tokens = 0
+
+    @property
+    def lm(self) -> torch.nn.Module:
+        return self.module[DEFAULT_MODULE_ID].lm
+
+    def compute_loss_for_module(self, *, module_id: str, config: Any = None,
+                                batch: Mapping[str, Any], fwd_out: Any = None) -> torch.Tensor:
+        """``Σ loss_scale · ℓ`` of one packed module batch (see ``trajectory.loss``)."""
+        packed = packed_from_batch(batch)
+        loss, _ = policy_loss(token_logprobs(self.module[module_id].lm, packed), packed,
+                              self.settings.loss)
+        return loss
+
+    # -- the elastic step ----------------------------------------------------------------------
+    def accumulate(self, micro_batch: Mapping[str, torch.Tensor], weight: float) -> int:
+        """Add ``∇(weight · loss(micro_batch))`` to the local gradient; returns its targets."""
+        if self.asleep:
+            raise RuntimeError("XLongLearner.accumulate: the learner is asleep (wake_up first)")
+        loss = self.compute_loss_for_module(module_id=DEFAULT_MODULE_ID, batch=micro_batch)
+        (loss * weight).backward()
+        n = int(micro_batch["target_ids"].numel())
+        self.micro_batches += 1
+        self.tokens += n
+        return n
+
+    def take_gradients(self) -> dict[str, torch.Tensor]:
+        """The summed local gradient by parameter name (zeros where none), then cleared."""
+        out = {}
+        for name, p in self.lm.named_parameters():
+            out[name] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            p.grad = None
+        return out
+
+    def apply_step(self, grads: Sequence[Mapping[str, torch.Tensor]], total: float,
+                   version: int) -> int:
+        """One optimizer step with ``Σ grads / total`` (summed in the given order).
+
+        Args:
+            grads: the participants' :meth:`take_gradients` (values or object refs), in cell
+                order.
+            total: the step's normalizer (Σ chunk weights; > 0).
+            version: the version the step produces (must be this learner's version + 1).
+
+        Returns:
+            The new version.
+        """
+        grads = [ray.get(g) if isinstance(g, ray.ObjectRef) else g for g in grads]
+        if version != self.version + 1:
+            raise RuntimeError(f"XLongLearner.apply_step: learner at version {self.version} "
+                               f"cannot produce version {version} (reload its state first)")
+        for name, p in self.lm.named_parameters():
+            g = grads[0][name].clone()
+            for other in grads[1:]:
+                g += other[name]
+            p.grad = g / total
+        self.get_optimizer().step()
+        self.get_optimizer().zero_grad(set_to_none=True)
+        self.version = version
+        return version
+
+    # -- state ---------------------------------------------------------------------------------
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """The LM's state dict (detached copies), what engines load."""
+        return {k: v.detach().clone() for k, v in self.lm.state_dict().items()}
+
+    def get_xlong_state(self) -> dict[str, Any]:
+        """Weights + optimizer state + version: what a joining learner loads."""
+        return {"weights": self.get_weights(), "version": self.version,
+                "optimizer": self.get_optimizer().state_dict()}
+
+    def set_xlong_state(self, state: Mapping[str, Any]) -> int:
+        """Load :meth:`get_xlong_state` output; returns the version."""
+        self.lm.load_state_dict(state["weights"])
+        self.get_optimizer().load_state_dict(state["optimizer"])
+        for p in self.lm.parameters():
+            p.grad = None
+        self.version = int(state["version"])
+        return self.version
+
+    def wake_up(self, state: Mapping[str, Any] | None = None, after: Any = None) -> int:
+        """Take the cell's GPU share back; load ``state`` if it differs in version. ``after``
+        is ignored: passing the engine's sleep ref makes Ray run this once the engine slept.
+        Returns the version."""
+        self.asleep = False
+        if state is not None and int(state["version"]) != self.version:
+            self.set_xlong_state(state)
+        return self.version
+
+    def sleep(self) -> None:
+        """Lend the cell's memory to the engine: drop gradients (on a GPU host the weights and
+        optimizer state would be offloaded too; on CPU there is nothing else to free)."""
+        for p in self.lm.parameters():
+            p.grad = None
+        self.asleep = True
+
+    def xlong_metrics(self) -> dict[str, int]:
+        """Micro-batches and target tokens trained so far, and the version."""
+        return {"micro_batches": self.micro_batches, "tokens": self.tokens,
+                "version": self.version}
+
+
+def learner_config(settings: LearnerSettings, *, seed: int = 0):
+    """The ``AlgorithmConfig`` and ``RLModuleSpec`` an :class:`XLongLearner` is built from.
+
+    Returns:
+        ``(config, module_spec)``: ``XLongLearner(config=config, module_spec=spec).build()``.
+    """
+    from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+    from ray.rllib.core.rl_module.multi_rl_module import MultiRLModuleSpec
+    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+    from ray_xlong.rllib.episodes import RUN_ACTION_SPACE, RUN_OBSERVATION_SPACE
+
+    config = (AlgorithmConfig()
+              .framework("torch")
+              .training(lr=settings.lr)
+              .learners(num_learners=0, num_gpus_per_learner=0,
+                        learner_config_dict={"xlong": settings})
+              .debugging(seed=seed))
+    spec = MultiRLModuleSpec(rl_module_specs={DEFAULT_MODULE_ID: RLModuleSpec(
+        module_class=XLongModule, observation_space=RUN_OBSERVATION_SPACE,
+        action_space=RUN_ACTION_SPACE,
+        model_config={"model_dir": settings.model_dir, "dtype": settings.dtype})})
+    return config, spec
+
+
+def build_learner(settings: LearnerSettings, *, seed: int = 0) -> XLongLearner:
+    """An in-process, built :class:`XLongLearner` (tests, single-cell use)."""
+    config, spec = learner_config(settings, seed=seed)
+    learner = XLongLearner(config=config, module_spec=spec)
+    learner.build()
+    return learner

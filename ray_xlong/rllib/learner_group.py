@@ -1,0 +1,141 @@
+"""The elastic learner group: one :class:`XLongLearner` actor per cell; cells join a step in
+progress between micro-batches and the update does not depend on who trained what.
+
+RLlib's ``LearnerGroup`` has a fixed size and reduces inside ``update``; here the actuator
+streams micro-batches as groups end and cells free up::
+
+    chunk(runs of the groups a step took) ─► micro-batches (tensors, weight = chunk normalizer)
+    begin(step) ; join(cell) … ; submit(cell, micro) …      any cell, any order, any time
+    finish() ─► take_gradients on every member ─► apply_step(all grads, Σ weights) on every
+                member ─► state (weights + Adam) of version+1 in the object store
+
+The reduce goes through the object store (each member fetches every member's gradient and sums
+them in cell order), so it works across nodes and a membership that changes per step without
+re-forming a collective group; every member ends on identical weights and optimizer state. A
+cell that joins later, or that sat out steps, first loads the latest state (``join``).
+
+Invariant (DESIGN.md 7): for one batch, the new weights are the same whether 1 cell, several
+cells, or cells joining at different micro-batches trained it (to float tolerance: only the
+order of additions differs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import ray
+import torch
+
+from ray_xlong.rllib.connector import batch_from_packed
+from ray_xlong.trajectory import AgentRun, ProcessorConfig, TrajectoryProcessor
+from ray_xlong.trajectory.packing import micro_batches
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class MicroBatch:
+    """One unit of training work sent to one cell."""
+
+    tensors: dict[str, torch.Tensor]
+    """Module batch (``connector.batch_from_packed`` format)."""
+    weight: float
+    """Normalizer of the chunk it came from; the learner multiplies its loss by it."""
+    targets: int
+    """Trained target tokens."""
+    run_ids: tuple[str, ...]
+    """Runs of the chunk (a run's tree never spans chunks)."""
+
+
+def chunk_normalizer(num_targets: int, num_runs: int, loss_norm: str) -> float:
+    """The denominator ``pack`` divided a chunk's loss by (``token``: targets; ``run``: runs)."""
+    return float(max(num_targets if loss_norm == "token" else num_runs, 1))
+
+
+def chunk(runs: Sequence[AgentRun], *, processor: ProcessorConfig,
+          max_tokens: int) -> list[MicroBatch]:
+    """Process the runs of whole groups into micro-batches.
+
+    Args:
+        runs: ended runs of complete groups (advantages are per group).
+        processor: trajectory processor configuration (``pack`` tree / per_trajectory).
+        max_tokens: micro-batch token budget.
+
+    Returns:
+        Micro-batches in order; their weights are the chunk's normalizer, so
+        ``Σ weight·loss_i / Σ_chunks normalizer`` is the loss of all chunks processed as one.
+    """
+    batch = TrajectoryProcessor(processor).process(list(runs))
+    packed = batch.packed
+    if packed is None:
+        raise ValueError("chunk.processor: pack must be 'tree' or 'per_trajectory', got 'none'")
+    weight = chunk_normalizer(packed.num_targets, batch.stats.runs, processor.loss_norm)
+    ids = tuple(r.run_id for r in runs)
+    return [MicroBatch(batch_from_packed(m), weight, m.num_targets, ids)
+            for m in micro_batches(packed, max_tokens=max_tokens)]
+
+
+class ElasticLearnerGroup:
+    """Learner actors by cell; a step's members change between micro-batches (module doc)."""
+
+    def __init__(self, learners: Sequence[Any]) -> None:
+        """Args:
+            learners: one built ``XLongLearner`` actor handle per cell, all at version 0 with
+                the same weights.
+        """
+        if not learners:
+            raise ValueError("ElasticLearnerGroup.learners: need at least one learner")
+        self.learners = list(learners)
+        self.version = 0
+        self.state_ref = self.learners[0].get_xlong_state.remote()
+        self.weights_ref = self.learners[0].get_weights.remote()
+        self.learner_version = [0] * len(learners)
+        self.members: list[int] = []
+        self.total = 0.0
+        self.step = -1
+
+    def begin(self, step: int) -> None:
+        """Open step ``step`` (must equal the version: steps are applied in order)."""
+        if self.step >= 0 or step != self.version:
+            raise RuntimeError(f"ElasticLearnerGroup.begin: step {step} at version "
+                               f"{self.version} (step in progress: {self.step})")
+        self.step, self.members, self.total = step, [], 0.0
+
+    def join(self, cell: int, *, after: Any = None):
+        """Add ``cell`` to the step; it wakes up on the step's weights (once ``after``, e.g.
+        its engine's sleep ref, resolved). Returns a ref."""
+        if self.step < 0 or cell in self.members:
+            raise RuntimeError(f"ElasticLearnerGroup.join: cell {cell} (step {self.step}, "
+                               f"members {self.members})")
+        self.members.append(cell)
+        behind = self.learner_version[cell] != self.version
+        self.learner_version[cell] = self.version
+        return self.learners[cell].wake_up.remote(self.state_ref if behind else None, after)
+
+    def submit(self, cell: int, micro: MicroBatch, *, new_chunk: bool):
+        """Train ``micro`` on member ``cell`` (``new_chunk``: first micro-batch of a chunk,
+        its normalizer counts once). Returns a ref to the targets trained."""
+        if cell not in self.members:
+            raise RuntimeError(f"ElasticLearnerGroup.submit: cell {cell} is not in step "
+                               f"{self.step} (members {self.members})")
+        if new_chunk:
+            self.total += micro.weight
+        return self.learners[cell].accumulate.remote(micro.tensors, micro.weight)
+
+    def finish(self) -> None:
+        """Reduce over the members, apply one step on each; blocks until applied."""
+        if self.step < 0 or not self.members:
+            raise RuntimeError(f"ElasticLearnerGroup.finish: step {self.step} has no members")
+        members = sorted(self.members)
+        grads = [self.learners[c].take_gradients.remote() for c in members]
+        new = self.version + 1
+        ray.get([self.learners[c].apply_step.remote(grads, self.total, new) for c in members])
+        for c in members:
+            self.learner_version[c] = new
+        lead = self.learners[members[0]]
+        self.state_ref = lead.get_xlong_state.remote()
+        self.weights_ref = lead.get_weights.remote()
+        self.version, self.step, self.members = new, -1, []
+
+    def sleep(self, cell: int):
+        """Put ``cell``'s learner to sleep (it lends memory to the engine). Returns a ref."""
+        return self.learners[cell].sleep.remote()
