@@ -9,6 +9,7 @@ from ray_xlong.scheduling.asynchronous import AsyncPolicy
 from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
 from ray_xlong.scheduling.events import Event, from_jsonl, to_jsonl
+from ray_xlong.scheduling.forecast import ForecastPolicy
 from ray_xlong.scheduling.ledger import GroupLedger, StalenessError
 from ray_xlong.scheduling.machine import CellMachine, TransitionError
 from ray_xlong.scheduling.moves import Drain, JoinStep, Move, Reserve, StartRuns, StartTraining, Sync
@@ -17,7 +18,8 @@ from ray_xlong.scheduling.state import CellState, ClusterState, Role, Scheduling
 
 __all__ = [
     "AsyncPolicy", "CellMachine", "CellState", "ClusterState", "ColocatedPolicy", "Drain",
-    "ElasticPolicy", "Event", "GroupLedger", "JoinStep", "Move", "Policy", "Reserve", "Role",
+    "ElasticPolicy", "Event", "ForecastPolicy", "GroupLedger", "JoinStep", "Move", "Policy",
+    "Reserve", "Role",
     "SchedulingConfig", "StalenessError", "StartRuns", "StartTraining", "Sync", "TransitionError",
     "from_jsonl", "to_jsonl",
 ]

@@ -189,6 +189,7 @@ class CellMachine:
                 cell=c, role=self.role[c], live_runs=len(self.live[c]), slots=self.slots[c],
                 step=self.step_of[c], ready_at=self.ready_at[c],
                 oldest_run_start=next(iter(self.live[c].values()), INF),
+                newest_run_start=next(reversed(self.live[c].values()), INF),
             )
             for c in range(len(self.slots))
         )

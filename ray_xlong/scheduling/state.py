@@ -75,6 +75,9 @@ class CellState:
     """Time its current switch / sync ends; work in the role starts then."""
     oldest_run_start: float
     """Start time of its oldest live run, or +inf when empty."""
+    newest_run_start: float = float("inf")
+    """Start time of its newest live run, or +inf when empty (or not reported). Every live run
+    ends by ``newest_run_start + timeout``, so this bounds when a draining cell empties."""
 
     @property
     def free_slots(self) -> int:

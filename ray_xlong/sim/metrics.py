@@ -33,7 +33,8 @@ def lower_bound_h(*, workload: Workload, cluster: ClusterConfig, costs: CostConf
     g = config.runs_per_group
     ends = [max(workload.durations_h[k * g:(k + 1) * g]) for k in range(config.total_groups)]
     last = max(range(config.total_groups), key=lambda k: ends[k])
-    chain_last = ends[last] + workload.group_tokens(last) / costs.train_tokens_per_cell_h / cluster.cells
+    per_h = costs.train_tokens_per_cell_h * cluster.cells
+    chain_last = ends[last] + workload.group_tokens(last) / per_h
     chain_steps = min(ends) + fixed
     return max(work, chain_last + costs.step_fixed_h, chain_steps)
 

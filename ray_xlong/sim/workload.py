@@ -52,6 +52,17 @@ class WorkloadConfig:
             if not 0 <= v <= 1 or (name == "unique_token_frac" and v == 0):
                 raise ValueError(f"WorkloadConfig.{name}: must be in (0, 1] / [0, 1], got {v}")
 
+    def mean_duration_h(self) -> float:
+        """E[run duration] after the timeout cap and early failures (capped-lognormal formula)."""
+        t, m, s = self.timeout_h, self.median_run_h, self.sigma
+        if s == 0:
+            capped = min(m, t)
+        else:
+            phi = lambda x: 0.5 * math.erfc(-x / math.sqrt(2))  # noqa: E731 (standard normal CDF)
+            z = (math.log(t) - math.log(m)) / s
+            capped = m * math.exp(s * s / 2) * phi(z - s) + t * (1 - phi(z))
+        return capped * (1 - self.failure_rate * (1 - 0.525))  # a failure stops at U(0.05, 1)
+
     def frac_at_least(self, hours: float) -> float:
         """P(duration >= hours) before failures (used to calibrate against "61% >= 4 h")."""
         if hours > self.timeout_h:

@@ -7,13 +7,15 @@ import pytest
 from ray_xlong.scheduling.asynchronous import AsyncPolicy
 from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
+from ray_xlong.scheduling.forecast import ForecastPolicy
 from ray_xlong.scheduling.machine import CellMachine
 from ray_xlong.scheduling.moves import Reserve, StartRuns
 from ray_xlong.scheduling.state import SchedulingConfig
 
 JOB = SchedulingConfig(total_steps=2, batch_groups=2, runs_per_group=2, staleness_bound=1)
 POLICIES = [ColocatedPolicy(), ColocatedPolicy(streaming=True), AsyncPolicy(rollout_cells=1),
-            ElasticPolicy(), ElasticPolicy(streaming=False, joining=False)]
+            ElasticPolicy(), ElasticPolicy(streaming=False, joining=False),
+            ForecastPolicy(train_groups_per_cell_h=1.0, horizon_h=1.0)]
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.name}-{getattr(p, 'streaming', '')}")

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from ray_xlong.scheduling.asynchronous import AsyncPolicy
 from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
+from ray_xlong.scheduling.forecast import ForecastPolicy
 from ray_xlong.scheduling.state import SchedulingConfig
 from ray_xlong.sim.cluster import ClusterConfig, CostConfig
 from ray_xlong.sim.metrics import lower_bound_h
@@ -29,6 +30,9 @@ MODES = {
     "async+streaming": lambda cells: AsyncPolicy(rollout_cells=cells - 1, streaming=True),
     "elastic": lambda cells: ElasticPolicy(),
     "elastic-no-streaming": lambda cells: ElasticPolicy(streaming=False, joining=False),
+    # any estimates must keep the invariants: eager (big targets) and lazy (small targets)
+    "forecast-eager": lambda cells: ForecastPolicy(train_groups_per_cell_h=0.1, horizon_h=1.0),
+    "forecast-lazy": lambda cells: ForecastPolicy(train_groups_per_cell_h=10.0, horizon_h=6.0),
 }
 
 
@@ -90,7 +94,7 @@ def test_invariants_hold_for_every_mode(setup, mode):
     assert all(0 <= s <= job.staleness_bound for s in result.staleness)
     lb = lower_bound_h(workload=w, cluster=cluster, costs=costs, config=job)
     assert result.makespan_h >= lb - 1e-9
-    assert 0.0 <= result.gpu_idle_frac <= 1.0 + 1e-9
+    assert -1e-9 <= result.gpu_idle_frac <= 1.0 + 1e-9  # fp: a fully busy run may read -2e-16
 
 
 @settings(max_examples=10, deadline=None)
