@@ -120,18 +120,38 @@ def _offset(arr: np.ndarray, root: np.ndarray) -> int | None:
     return delta // arr.itemsize if delta % arr.itemsize == 0 else None
 
 
+_CHUNK = 4096
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two 1-D arrays.
+
+    A pointer comparison when both are the same view of one buffer; otherwise compared in
+    growing chunks, so a mismatch near the start costs little.
+    """
+    m = min(a.size, b.size)
+    root = _root(a)
+    if m and root is _root(b):
+        oa = _offset(a, root)
+        if oa is not None and oa == _offset(b, root):
+            return m
+    pos, chunk = 0, _CHUNK
+    while pos < m:
+        end = min(m, pos + chunk)
+        neq = np.flatnonzero(a[pos:end] != b[pos:end])
+        if neq.size:
+            return pos + int(neq[0])
+        pos, chunk = end, chunk * 2
+    return m
+
+
 def _same_tokens(a: np.ndarray, b: np.ndarray) -> bool:
-    """``np.array_equal(a, b)``, short-cut when both are the same view of one buffer."""
+    """``np.array_equal(a, b)``: by address for views of one buffer, else by chunks."""
     if a.size != b.size:
         return False
-    if a.size == 0:
-        return True
-    root = _root(a)
-    if root is _root(b):
-        oa, ob = _offset(a, root), _offset(b, root)
-        if oa is not None and oa == ob:
-            return True
-    return bool(np.array_equal(a, b))
+    if a.size and a[-1] != b[-1]:
+        return False
+    return common_prefix_len(a, b) == a.size
 
 
 def join_tokens(first: np.ndarray, second: np.ndarray) -> np.ndarray:
@@ -147,6 +167,30 @@ def join_tokens(first: np.ndarray, second: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
+def _location(arr: np.ndarray) -> tuple[int, int] | None:
+    """``(id(root buffer), element offset)`` of a contiguous view, or None."""
+    root = _root(arr)
+    offset = _offset(arr, root)
+    return None if offset is None else (id(root), offset)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Seen:
+    """A call with the buffer locations of its input and output, computed once."""
+
+    call: ModelCall
+    inp: tuple[int, int] | None
+    out: tuple[int, int] | None
+
+    @classmethod
+    def of(cls, call: ModelCall) -> "_Seen":
+        return cls(call, _location(call.input_ids), _location(call.output_ids))
+
+
+def _shifted(loc: tuple[int, int] | None, by: int) -> tuple[int, int] | None:
+    return None if loc is None else (loc[0], loc[1] + by)
+
+
 @dataclasses.dataclass(slots=True)
 class _Open:
     """A trajectory being built: its calls so far; its context is last input + last output."""
@@ -157,22 +201,28 @@ class _Open:
     origin: Origin
     index: int
     calls: list[int]
-    last: ModelCall
+    last: _Seen
 
     @property
     def context_len(self) -> int:
-        return self.last.context_len
+        return self.last.call.context_len
 
-    def extended_by(self, call: ModelCall) -> bool:
-        last, inp = self.last, call.input_ids
+    def extended_by(self, new: _Seen) -> bool:
+        """The new call's input starts with this trajectory's context (input + output)."""
+        last, inp = self.last.call, new.call.input_ids
         n_in = last.input_ids.size
-        return (inp.size >= self.context_len
-                and _same_tokens(inp[:n_in], last.input_ids)
-                and _same_tokens(inp[n_in:self.context_len], last.output_ids))
+        if inp.size < self.context_len:
+            return False
+        if not (new.inp is not None and new.inp == self.last.inp
+                or _same_tokens(inp[:n_in], last.input_ids)):
+            return False
+        return (last.output_ids.size == 0
+                or (new.inp is not None and _shifted(new.inp, n_in) == self.last.out)
+                or _same_tokens(inp[n_in:self.context_len], last.output_ids))
 
     def repeats_prefix(self, call: ModelCall) -> bool:
         """The call's input is a strict prefix of this trajectory's context (a retry)."""
-        inp, last = call.input_ids, self.last
+        inp, last = call.input_ids, self.last.call
         if inp.size >= self.context_len:
             return False
         n_in = last.input_ids.size
@@ -195,17 +245,19 @@ def assemble(run: AgentRun) -> list[Trajectory]:
     opened: list[_Open] = []
     by_agent: dict[tuple[str, str], list[_Open]] = {}
     for i, call in enumerate(run.calls):
+        seen = _Seen.of(call)
         same = by_agent.setdefault((call.agent_id, call.kind), [])
-        joined = [t for t in same if t.extended_by(call)]
-        if joined:
-            best = max(joined, key=lambda t: (t.context_len, -t.index))
+        by_length = sorted(same, key=lambda t: (-t.context_len, t.index))
+        best = next((t for t in by_length if t.extended_by(seen)), None)
+        if best is not None:
             best.calls.append(i)
-            best.last = call
+            best.last = seen
             continue
         origin: Origin = "start"
         if same:
             origin = "retry" if any(t.repeats_prefix(call) for t in same) else "compaction"
-        traj = _Open(call.agent_id, call.kind, call.parent_agent_id, origin, len(opened), [i], call)
+        traj = _Open(call.agent_id, call.kind, call.parent_agent_id, origin, len(opened), [i],
+                     seen)
         opened.append(traj)
         same.append(traj)
     ranks = _ranks(run)
@@ -219,7 +271,7 @@ def _freeze(run: AgentRun, t: _Open, rank: int) -> Trajectory:
         n_in, n_out = call.input_ids.size, call.output_ids.size
         if n_out:
             spans.append(GeneratedSpan(n_in, n_in + n_out, i))
-    tokens = join_tokens(t.last.input_ids, t.last.output_ids)
+    tokens = join_tokens(t.last.call.input_ids, t.last.call.output_ids)
     return Trajectory(run_id=run.run_id, agent_id=t.agent_id, kind=t.kind,
                       parent_agent_id=t.parent, origin=t.origin, index=t.index,
                       token_ids=tokens, spans=tuple(spans), call_indices=tuple(t.calls),

@@ -30,14 +30,13 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Iterator
 
 import numpy as np
 
-from ray_xlong.trajectory.assembly import Trajectory, _root, _offset
-
-_CHUNK = 4096
+from ray_xlong.trajectory.assembly import Trajectory, common_prefix_len
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,39 +92,21 @@ class TreeNode:
 
     def mark(self, lo: int, hi: int, call_index: int, out_start: int) -> None:
         """Record that ``[lo, hi)`` was generated (only the parts not already recorded)."""
-        pieces, cur = [], lo
-        for g in self.gen:
-            if g.hi <= cur or g.lo >= hi:
-                continue
+        first = bisect.bisect_right(self.gen, lo, key=lambda g: g.hi)   # first with hi > lo
+        last = bisect.bisect_left(self.gen, hi, key=lambda g: g.lo)     # first with lo >= hi
+        merged, cur = [], lo
+        for g in self.gen[first:last]:
             if g.lo > cur:
-                pieces.append(GenSegment(cur, g.lo, call_index, out_start + cur - lo))
+                merged.append(GenSegment(cur, g.lo, call_index, out_start + cur - lo))
+            merged.append(g)
             cur = max(cur, g.hi)
         if cur < hi:
-            pieces.append(GenSegment(cur, hi, call_index, out_start + cur - lo))
-        if pieces:
-            self.gen = sorted(self.gen + pieces, key=lambda g: g.lo)
+            merged.append(GenSegment(cur, hi, call_index, out_start + cur - lo))
+        self.gen[first:last] = merged
 
     def __repr__(self) -> str:
         return (f"TreeNode(depth={self.depth}, len={self.tokens.size}, owner={self.owner}, "
                 f"trainable={self.num_trainable}, children={len(self.children)})")
-
-
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two 1-D arrays (chunked: early exits are cheap)."""
-    m = min(a.size, b.size)
-    root = _root(a)
-    if m and root is _root(b):
-        oa = _offset(a, root)
-        if oa is not None and oa == _offset(b, root):
-            return m
-    pos, chunk = 0, _CHUNK
-    while pos < m:
-        end = min(m, pos + chunk)
-        neq = np.flatnonzero(a[pos:end] != b[pos:end])
-        if neq.size:
-            return pos + int(neq[0])
-        pos, chunk = end, chunk * 2
-    return m
 
 
 class PrefixTree:

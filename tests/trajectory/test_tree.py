@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ray_xlong.trajectory import PrefixTree, ProcessorConfig, TrajectoryProcessor, assemble, select
-from ray_xlong.trajectory.tree import common_prefix_len
+from ray_xlong.trajectory.assembly import common_prefix_len
 from tests.trajectory.words import (BAD, DONE, EDIT, FIX, PLAN, SUM1, SUMMARIZE, SYS, TASK, TOOL,
                                     TOOL2, mk, mkrun)
 
