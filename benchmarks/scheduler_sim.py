@@ -1,11 +1,13 @@
 """Scheduler simulator benchmark: the paper's table, the streaming ablation and sweeps.
 
     python benchmarks/scheduler_sim.py --preset paper-2.4t --seed 0 --json out.json \
-        [--plot timeline.png] [--steps 2 --no-sweeps]
+        [--plot timeline.png] [--steps 2 --no-sweeps] [--compare-seeds 0 1 2 3 4]
 
 Prints markdown tables (every mode side by side on one sampled workload) and writes JSON shaped
 ``{"preset", "seed", "lower_bound_h", "paper_h", "modes": {mode: {"makespan_h", "gpu_idle_frac",
-...}}, "sweeps": {...}, "sim_wall_s_max"}``.
+...}}, "sweeps": [...], "seed_comparison": [...], "sim_wall_s_max"}``. ``forecast`` is our own
+mode (``ray_xlong/scheduling/forecast.py``); ``--compare-seeds`` prints elastic vs forecast per
+seed (and elastic with the newest-run drain choice alone, to separate the two ideas).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from ray_xlong.scheduling.asynchronous import AsyncPolicy
 from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
 from ray_xlong.sim.metrics import lower_bound_h, summarize
-from ray_xlong.sim.modes import make_policies, preset_workload, simulate_preset, with_steps
+from ray_xlong.sim.modes import (
+    forecast_policy, make_policies, preset_workload, simulate_preset, with_steps,
+)
 from ray_xlong.sim.presets import PAPER_HOURS, SIGMA, Z_61, Preset, get_preset
 from ray_xlong.sim.timeline import plot_timelines
 
@@ -85,23 +89,64 @@ def run_sweeps(preset: Preset, *, seed: int) -> list[dict]:
     for sweep, value, p in sweep_variants(preset):
         w = preset_workload(p, seed=seed)
         lb = lower_bound_h(workload=w, cluster=p.cluster, costs=p.costs, config=p.job)
-        policies = {"colocated": ColocatedPolicy(), "async": AsyncPolicy(rollout_cells=p.async_rollout_cells),
-                    "elastic": ElasticPolicy()}
+        policies = {"colocated": ColocatedPolicy(),
+                    "async": AsyncPolicy(rollout_cells=p.async_rollout_cells),
+                    "elastic": ElasticPolicy(), "forecast": forecast_policy(p)}
         hours = {n: simulate_preset(p, pol, seed=seed, workload=w).makespan_h for n, pol in policies.items()}
         rows.append({"sweep": sweep, "value": value, "lower_bound_h": lb, **{f"{n}_h": h for n, h in hours.items()},
                      "elastic_vs_colocated": hours["colocated"] / hours["elastic"],
-                     "elastic_vs_async": hours["async"] / hours["elastic"]})
+                     "elastic_vs_async": hours["async"] / hours["elastic"],
+                     "forecast_vs_elastic": hours["elastic"] / hours["forecast"]})
     return rows
 
 
 def sweep_table(rows: list[dict]) -> str:
     """Markdown table of the sweeps."""
-    lines = ["| sweep | value | lower bound h | colocated h | async h | elastic h | elastic × vs colocated | elastic × vs async |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| sweep | value | lower bound h | colocated h | async h | elastic h | forecast h | "
+             "elastic × vs colocated | elastic × vs async | forecast × vs elastic |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['sweep']} | {r['value']} | {r['lower_bound_h']:.2f} | {r['colocated_h']:.2f} | "
-                     f"{r['async_h']:.2f} | {r['elastic_h']:.2f} | {r['elastic_vs_colocated']:.2f} | "
-                     f"{r['elastic_vs_async']:.2f} |")
+                     f"{r['async_h']:.2f} | {r['elastic_h']:.2f} | {r['forecast_h']:.2f} | "
+                     f"{r['elastic_vs_colocated']:.2f} | {r['elastic_vs_async']:.2f} | "
+                     f"{r['forecast_vs_elastic']:.2f} |")
+    return "\n".join(lines)
+
+
+def newest_run_first(state, cells):
+    """Elastic's drain choice swapped for forecast's: the cell whose newest run is oldest."""
+    return min(cells, key=lambda c: (c.newest_run_start, c.live_runs, c.cell))
+
+
+def compare_seeds(preset: Preset, seeds: list[int]) -> list[dict]:
+    """Elastic vs forecast (and elastic + newest-run drain choice) on several workloads."""
+    rows = []
+    for seed in seeds:
+        w = preset_workload(preset, seed=seed)
+        lb = lower_bound_h(workload=w, cluster=preset.cluster, costs=preset.costs, config=preset.job)
+        policies = {"elastic": ElasticPolicy(), "forecast": forecast_policy(preset),
+                    "elastic_newest_pick": ElasticPolicy(pick_drain=newest_run_first)}
+        hours = {n: simulate_preset(preset, pol, seed=seed, workload=w).makespan_h
+                 for n, pol in policies.items()}
+        rows.append({"seed": seed, "lower_bound_h": lb, **{f"{n}_h": h for n, h in hours.items()},
+                     "forecast_vs_elastic": hours["elastic"] / hours["forecast"]})
+    return rows
+
+
+def seed_table(rows: list[dict]) -> str:
+    """Markdown table of :func:`compare_seeds` plus a mean row."""
+    lines = ["| seed | lower bound h | elastic h (÷ LB) | forecast h (÷ LB) | forecast × vs elastic | "
+             "elastic + newest-run drain choice h |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lb = r["lower_bound_h"]
+        lines.append(f"| {r['seed']} | {lb:.2f} | {r['elastic_h']:.2f} ({r['elastic_h'] / lb:.3f}) | "
+                     f"{r['forecast_h']:.2f} ({r['forecast_h'] / lb:.3f}) | "
+                     f"{r['forecast_vs_elastic']:.3f} | {r['elastic_newest_pick_h']:.2f} |")
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k != "seed"}
+    wins = sum(r["forecast_h"] < r["elastic_h"] for r in rows)
+    lines.append(f"| mean | {mean['lower_bound_h']:.2f} | {mean['elastic_h']:.2f} | "
+                 f"{mean['forecast_h']:.2f} | {mean['forecast_vs_elastic']:.3f} "
+                 f"(forecast wins {wins}/{len(rows)}) | {mean['elastic_newest_pick_h']:.2f} |")
     return "\n".join(lines)
 
 
@@ -113,6 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--plot", default=None, help="per-cell Gantt PNG of every mode")
     ap.add_argument("--steps", type=int, default=None, help="override the preset's steps (smoke runs)")
     ap.add_argument("--no-sweeps", action="store_true", help="skip the sweeps")
+    ap.add_argument("--compare-seeds", type=int, nargs="*", default=None,
+                    help="also run elastic vs forecast on these seeds")
     args = ap.parse_args(argv)
     preset = get_preset(args.preset)
     if args.steps is not None:
@@ -128,8 +175,11 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_sweeps:
         out["sweeps"] = run_sweeps(preset, seed=args.seed)
         print(sweep_table(out["sweeps"]) + "\n")
+    if args.compare_seeds:
+        out["seed_comparison"] = compare_seeds(preset, args.compare_seeds)
+        print(seed_table(out["seed_comparison"]) + "\n")
     if args.plot:
-        plot_timelines({m: logs[m] for m in ("colocated", "async", "elastic")}, args.plot,
+        plot_timelines({m: logs[m] for m in ("colocated", "async", "elastic", "forecast")}, args.plot,
                        title=f"{preset.name} seed {args.seed}: per-cell roles")
         print(f"timeline written to {args.plot}")
     if args.json:
