@@ -80,3 +80,14 @@ def test_tree_rows_hold_several_runs_block_diagonally():
     _, one_per_row, _, _ = loss_and_grads(model, "tree", row_tokens=None)
     _, packed, _, _ = loss_and_grads(model, "tree", row_tokens=10_000)
     assert torch.allclose(one_per_row, packed, rtol=0, atol=1e-9)
+
+
+def test_flex_attention_block_mask_forward_matches_dense():
+    """The GPU path (flex_attention + tree BlockMask); its forward also runs on CPU."""
+    dense = tiny_causal_lm(TinyModelConfig(vocab_size=VOCAB), attn_implementation="sdpa")
+    flex = tiny_causal_lm(TinyModelConfig(vocab_size=VOCAB), attn_implementation="flex_attention")
+    packed = TrajectoryProcessor(ProcessorConfig(pack="tree", row_tokens=None)).process(
+        runs()).packed
+    with torch.no_grad():
+        assert torch.allclose(token_logprobs(dense, packed), token_logprobs(flex, packed),
+                              rtol=0, atol=1e-5)
