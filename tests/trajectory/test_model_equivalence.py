@@ -82,8 +82,10 @@ def test_tree_rows_hold_several_runs_block_diagonally():
     assert torch.allclose(one_per_row, packed, rtol=0, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_flex_attention_block_mask_forward_matches_dense():
-    """The GPU path (flex_attention + tree BlockMask); its forward also runs on CPU."""
+    """The GPU path (flex_attention + tree BlockMask); its forward also runs on CPU (slowly:
+    flex attention is compiled on first use)."""
     dense = tiny_causal_lm(TinyModelConfig(vocab_size=VOCAB), attn_implementation="sdpa")
     flex = tiny_causal_lm(TinyModelConfig(vocab_size=VOCAB), attn_implementation="flex_attention")
     packed = TrajectoryProcessor(ProcessorConfig(pack="tree", row_tokens=None)).process(
