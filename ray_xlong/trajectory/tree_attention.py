@@ -102,13 +102,22 @@ def tree_plan(kv_end: torch.Tensor, valid: torch.Tensor, *, chunk: int = 256) ->
 
 def _segment_attention(query, key, value, seg: TreeSegment, scaling, dropout):
     q = query[seg.row:seg.row + 1, :, seg.start:seg.stop]
-    k = key[seg.row:seg.row + 1].index_select(2, seg.keys)
-    v = value[seg.row:seg.row + 1].index_select(2, seg.keys)
-    m, n_anc = seg.stop - seg.start, seg.num_prefix
+    first, n_keys = int(seg.keys[0]), int(seg.keys.numel())
+    if int(seg.keys[-1]) - first + 1 == n_keys:           # a contiguous range: slice, no copy
+        k = key[seg.row:seg.row + 1, :, first:first + n_keys]
+        v = value[seg.row:seg.row + 1, :, first:first + n_keys]
+    else:
+        k = key[seg.row:seg.row + 1].index_select(2, seg.keys)
+        v = value[seg.row:seg.row + 1].index_select(2, seg.keys)
+    gqa = key.shape[1] != q.shape[1]
+    m, n_prefix = seg.stop - seg.start, seg.num_prefix
+    if n_prefix == 0:                                     # plain causal: the flash kernel
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                              scale=scaling, enable_gqa=gqa)
     own = torch.ones(m, m, dtype=torch.bool, device=query.device).tril()
-    mask = torch.cat([torch.ones(m, n_anc, dtype=torch.bool, device=query.device), own], dim=1)
+    mask = torch.cat([torch.ones(m, n_prefix, dtype=torch.bool, device=query.device), own], 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                          scale=scaling, enable_gqa=key.shape[1] != q.shape[1])
+                                          scale=scaling, enable_gqa=gqa)
 
 
 def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
