@@ -15,7 +15,7 @@ import torch
 
 def warm_start(model: torch.nn.Module, examples: Sequence[tuple[np.ndarray, np.ndarray]], *,
                steps: int = 100, lr: float = 3e-3, batch_size: int = 8,
-               seed: int = 0) -> list[float]:
+               seed: int = 0, optimizer: torch.optim.Optimizer | None = None) -> list[float]:
     """Train ``model`` in place on ``examples`` (``(ids [n], loss_mask [n] bool)`` pairs).
 
     Args:
@@ -25,6 +25,8 @@ def warm_start(model: torch.nn.Module, examples: Sequence[tuple[np.ndarray, np.n
         lr: AdamW learning rate.
         batch_size: examples per step (drawn with a seeded generator).
         seed: sampling seed.
+        optimizer: an optimizer over ``model``'s parameters to continue with (e.g. from an
+            earlier phase, so that its moments carry over); None: a fresh AdamW with ``lr``.
 
     Returns:
         The loss of each step.
@@ -32,7 +34,7 @@ def warm_start(model: torch.nn.Module, examples: Sequence[tuple[np.ndarray, np.n
     if not examples:
         raise ValueError("warm_start: examples is empty")
     rng = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = optimizer if optimizer is not None else torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
     for _ in range(steps):

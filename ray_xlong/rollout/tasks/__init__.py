@@ -1,5 +1,6 @@
 """Tasks: the interface (``base.py``) and a registry of the built-in tasks.
 
+``lookup`` is the learnable task (RL climbs it within ~30 steps; see ``lookup.py``).
 ``make_task(name, seed=...)`` builds a :class:`TaskEnv`; an unknown name raises
 :class:`UnknownTaskError` listing the known ones. ``register_task`` adds a factory.
 """
@@ -11,11 +12,13 @@ from ray_xlong.rollout.tasks.base import (Observation, TaskEnv, TaskFactory, Tas
                                          ToolError, UnknownTaskError)
 from ray_xlong.rollout.tasks.code import CodeTask
 from ray_xlong.rollout.tasks.long_horizon import LongHorizonConfig, LongHorizonTask
+from ray_xlong.rollout.tasks.lookup import LookupTask
 
 TASKS: dict[str, TaskFactory] = {
     "arithmetic": ArithmeticTask,
     "code": CodeTask,
     "long_horizon": LongHorizonTask,
+    "lookup": LookupTask,
 }
 """Registered tasks, by name."""
 
@@ -34,6 +37,7 @@ def make_task(name: str, *, seed: int) -> TaskEnv:
     return TASKS[name](seed)
 
 
-__all__ = ["ArithmeticTask", "CodeTask", "LongHorizonConfig", "LongHorizonTask", "Observation",
+__all__ = ["ArithmeticTask", "CodeTask", "LongHorizonConfig", "LongHorizonTask", "LookupTask",
+           "Observation",
            "TASKS", "TaskEnv", "TaskFactory", "TaskFailure", "ToolError", "UnknownTaskError",
            "make_task", "register_task"]
