@@ -93,7 +93,8 @@ def check_layout(layout: CellLayout, nodes: Sequence[Mapping[str, float]]) -> No
     if spread and hosts < layout.nodes_per_cell:
         raise LayoutError(
             f"CellLayout: STRICT_SPREAD cells of nodes_per_cell={layout.nodes_per_cell} need "
-            f"that many nodes with a free bundle {need}, the cluster has {hosts} of {len(nodes)}")
+            f"that many nodes with a free bundle {need} (gpus_per_node={layout.gpus_per_node}),"
+            f" the cluster has {hosts} of {len(nodes)}")
     if usable < total:
         raise LayoutError(
             f"CellLayout: {layout.cells} cells × nodes_per_cell={layout.nodes_per_cell} = "

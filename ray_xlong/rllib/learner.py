@@ -5,14 +5,14 @@ RLlib's ``Learner.update`` runs a whole batch on a fixed group; a cell's Learner
 part in a step for as many micro-batches as the scheduler gives it, so the step is split::
 
     wake_up(state, version)        load the step's weights + optimizer state if behind
-    accumulate(micro, weight) × k  grad += ∇(weight · Σ loss_scale · ℓ)  (local, no reduce yet)
+    accumulate(micro) × k          grad += ∇ Σ loss_scale · ℓ   (un-normalised; local, no reduce)
     take_gradients()               → {param name: summed grad} (zeros if it took no micro-batch)
     apply_step(grads, total)       grad = Σ grads / total; one optimizer step; version + 1
     get_state() / get_weights()    what joiners and engines load
 
-``weight`` is the normalizer of the chunk the micro-batch came from (its ``num_targets`` for
-``loss_norm="token"``), so ``accumulate`` adds *un-normalised* token-loss gradients and
-``apply_step`` divides by the step's total: the update equals the gradient of the whole batch
+A micro-batch's ``loss_scale`` arrives multiplied by the normalizer of the chunk it came from
+(``learner_group.chunk``: its ``num_targets`` for ``loss_norm="token"``), so ``accumulate``
+adds *un-normalised* token-loss gradients and ``apply_step`` divides by the step's total: the update equals the gradient of the whole batch
 processed at once, however the micro-batches were spread over cells (DESIGN.md invariant 7).
 Every participant applies the same reduced gradient in the same order, so their weights and
 Adam moments stay identical; a cell that did not take part reloads the state when it joins.
@@ -80,8 +80,12 @@ class XLongModule(TorchRLModule):
     def setup(self) -> None:
         from ray_xlong.models import load_model
 
+        from ray_xlong.models.tiny import full_precision_norms
+
         cfg = self.model_config or {}
         self.lm = load_model(cfg["model_dir"], dtype=DTYPES[cfg.get("dtype", "float32")])
+        if cfg.get("dtype") == "float64":
+            full_precision_norms(self.lm)  # HF norms compute in fp32 otherwise
         self.lm.train()
 
     def _forward(self, batch: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
@@ -112,12 +116,12 @@ class XLongLearner(TorchLearner):
         return loss
 
     # -- the elastic step ----------------------------------------------------------------------
-    def accumulate(self, micro_batch: Mapping[str, torch.Tensor], weight: float) -> int:
-        """Add ``∇(weight · loss(micro_batch))`` to the local gradient; returns its targets."""
+    def accumulate(self, micro_batch: Mapping[str, torch.Tensor]) -> int:
+        """Add ``∇ loss(micro_batch)`` to the local gradient; returns its targets."""
         if self.asleep:
             raise RuntimeError("XLongLearner.accumulate: the learner is asleep (wake_up first)")
         loss = self.compute_loss_for_module(module_id=DEFAULT_MODULE_ID, batch=micro_batch)
-        (loss * weight).backward()
+        loss.backward()
         n = int(micro_batch["target_ids"].numel())
         self.micro_batches += 1
         self.tokens += n

@@ -39,7 +39,8 @@ class MicroBatch:
     tensors: dict[str, torch.Tensor]
     """Module batch (``connector.batch_from_packed`` format)."""
     weight: float
-    """Normalizer of the chunk it came from; the learner multiplies its loss by it."""
+    """Normalizer of the chunk it came from (``tensors["loss_scale"]`` is already multiplied
+    by it: the micro-batch's loss is un-normalised)."""
     targets: int
     """Trained target tokens."""
     run_ids: tuple[str, ...]
@@ -61,8 +62,10 @@ def chunk(runs: Sequence[AgentRun], *, processor: ProcessorConfig,
         max_tokens: micro-batch token budget.
 
     Returns:
-        Micro-batches in order; their weights are the chunk's normalizer, so
-        ``Σ weight·loss_i / Σ_chunks normalizer`` is the loss of all chunks processed as one.
+        Micro-batches in order with un-normalised losses (``loss_scale`` × the chunk's
+        normalizer, their ``weight``), so ``Σ loss_i / Σ_chunks weight`` is the loss of all
+        chunks processed as one. With ``loss_norm="token"`` every un-normalised scale is
+        exactly 1 (rounded back from float32), so chunking adds no rounding at all.
     """
     batch = TrajectoryProcessor(processor).process(list(runs))
     packed = batch.packed
@@ -70,8 +73,15 @@ def chunk(runs: Sequence[AgentRun], *, processor: ProcessorConfig,
         raise ValueError("chunk.processor: pack must be 'tree' or 'per_trajectory', got 'none'")
     weight = chunk_normalizer(packed.num_targets, batch.stats.runs, processor.loss_norm)
     ids = tuple(r.run_id for r in runs)
-    return [MicroBatch(batch_from_packed(m), weight, m.num_targets, ids)
-            for m in micro_batches(packed, max_tokens=max_tokens)]
+    out = []
+    for m in micro_batches(packed, max_tokens=max_tokens):
+        tensors = batch_from_packed(m)
+        scale = tensors["loss_scale"].double() * weight
+        if processor.loss_norm == "token":
+            scale = scale.round()
+        tensors["loss_scale"] = scale.to(tensors["loss_scale"].dtype)
+        out.append(MicroBatch(tensors, weight, m.num_targets, ids))
+    return out
 
 
 class ElasticLearnerGroup:
@@ -119,7 +129,7 @@ class ElasticLearnerGroup:
                                f"{self.step} (members {self.members})")
         if new_chunk:
             self.total += micro.weight
-        return self.learners[cell].accumulate.remote(micro.tensors, micro.weight)
+        return self.learners[cell].accumulate.remote(micro.tensors)
 
     def finish(self) -> None:
         """Reduce over the members, apply one step on each; blocks until applied."""

@@ -1,0 +1,182 @@
+"""Elastic learner group: membership does not change the math (DESIGN.md invariant 7).
+
+Two steps of one fixed job (4 groups of synthetic runs per step) are trained by 1 cell, by 3
+cells round-robin, and by cells joining at different micro-batches (with the batch streamed in
+two chunks, as a step takes groups while they end). Every schedule must give the weights of a
+plain-torch reference (whole batch at once, ``policy_loss``, Adam) — fp32 within 1e-5 of the
+update 1e-4 (weights 1e-5), fp64 within 1e-12. Step 2 is trained by cells that sat out step 1, so it also checks
+that a joining cell starts from the step's weights *and* optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import tempfile
+
+import pytest
+import torch
+
+from ray_xlong.models import build_tiny_model_dir, load_model
+from ray_xlong.models.tiny import full_precision_norms
+from ray_xlong.rllib.learner import DTYPES, LearnerSettings, XLongLearner, learner_config
+from ray_xlong.rllib.learner_group import ElasticLearnerGroup, chunk, chunk_normalizer
+from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor
+from ray_xlong.trajectory.loss import policy_loss
+from ray_xlong.trajectory.model import token_logprobs
+from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_runs
+
+pytestmark = [pytest.mark.ray, pytest.mark.rllib]
+
+PROC = ProcessorConfig(row_tokens=256)
+MICRO_TOKENS = 300                       # a step's batch splits into ~6 micro-batches
+LR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model_dir(tmp_path_factory.mktemp("lg") / "m", seed=0))
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import os
+
+    import ray
+
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield ray
+    ray.shutdown()
+
+
+def step_runs(step: int):
+    """4 groups × 3 runs of small synthetic runs; token ids < 64 fit the tiny vocabulary."""
+    cfg = SyntheticConfig(num_calls=8, vocab_size=64, context_budget=120, failed_prob=0.0)
+    return synthetic_runs(100 + step, groups=4, runs_per_group=3, config=cfg,
+                          policy_version=step)
+
+
+def reference_weights(model_dir: str, dtype: str) -> dict[str, torch.Tensor]:
+    """Plain torch: each step's batch processed at once, one loss, Adam — no Ray, no RLlib.
+
+    The loss scale is the exact ``1 / num_targets`` in float64 (the packed batch stores it in
+    float32, whose rounding alone would be ~6e-8 relative)."""
+    model = load_model(model_dir, dtype=DTYPES[dtype]).train()
+    if dtype == "float64":
+        full_precision_norms(model)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    for step in range(2):
+        packed = TrajectoryProcessor(PROC).process(step_runs(step)).packed
+        exact = torch.full_like(packed.loss_scale, 1.0, dtype=torch.float64) / packed.num_targets
+        packed = dataclasses.replace(packed, loss_scale=exact)
+        opt.zero_grad()
+        policy_loss(token_logprobs(model, packed), packed)[0].backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def start_learners(ray, model_dir: str, dtype: str, n: int):
+    settings = LearnerSettings(model_dir=model_dir, lr=LR, dtype=dtype)
+    config, spec = learner_config(settings)
+    actors = [ray.remote(XLongLearner).options(num_cpus=0.25).remote(config=config,
+                                                                      module_spec=spec)
+              for _ in range(n)]
+    ray.get([a.build.remote() for a in actors])
+    return actors
+
+
+def train(ray, group: ElasticLearnerGroup, schedule, *, chunks: int) -> None:
+    """Two steps. ``schedule[step]`` maps micro-batch index -> cell; a cell joins the step
+    right before its first micro-batch."""
+    for step in range(2):
+        runs = step_runs(step)
+        per = len(runs) // chunks
+        parts = [chunk(runs[i * per:(i + 1) * per], processor=PROC, max_tokens=MICRO_TOKENS)
+                 for i in range(chunks)]
+        group.begin(step)
+        refs, i = [], 0
+        for part in parts:
+            for j, micro in enumerate(part):
+                cell = schedule[step](i)
+                if cell not in group.members:
+                    group.join(cell)
+                refs.append(group.submit(cell, micro, new_chunk=j == 0))
+                i += 1
+        ray.get(refs)
+        group.finish()
+
+
+def errors(got: dict, want: dict, start: dict) -> tuple[float, float]:
+    """(max over tensors of ‖got − want‖ / ‖want‖, the same for the update Δ = w − w_start).
+
+    The update error is the stricter one: Adam divides by √v, so float noise in a tiny gradient
+    entry moves its update by a visible fraction, while weights barely move."""
+    weight = max(float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-30)) for k in want)
+    update = max(float((got[k] - want[k]).norm() / (want[k] - start[k]).norm().clamp_min(1e-30))
+                 for k in want)
+    return weight, update
+
+
+@pytest.fixture(scope="module")
+def learner_pool(ray_local, model_dir):
+    """Three learners per dtype, built once, reset to version 0 for every test."""
+    pools = {}
+
+    def get(dtype: str):
+        if dtype not in pools:
+            actors = start_learners(ray_local, model_dir, dtype, 3)
+            pools[dtype] = (actors, ray_local.get(actors[0].get_xlong_state.remote()))
+        actors, state = pools[dtype]
+        ray_local.get([a.set_xlong_state.remote(state) for a in actors])
+        return actors
+    yield get
+    for actors, _ in pools.values():
+        for a in actors:
+            ray_local.kill(a)
+
+
+SCHEDULES = [
+    pytest.param(1, [lambda i: 0, lambda i: 0], 1, id="one-cell"),
+    pytest.param(3, [lambda i: i % 3, lambda i: (i + 1) % 3], 1, id="three-cells-round-robin"),
+    # step 0: cell 0 alone, cell 1 joins at micro-batch 2, cell 2 at 4; two streamed chunks.
+    # step 1: only cells 1 and 2 (cell 2 joins at micro-batch 3): both must load step-0 state.
+    pytest.param(3, [lambda i: 0 if i < 2 else (1 if i < 4 else 2),
+                     lambda i: 1 if i < 3 else 2], 2, id="cells-join-mid-step"),
+]
+
+
+TOLERANCES = [  # (weights, update): the issue asks fp32 <= 1e-5 rel on the new weights
+    pytest.param("float32", 1e-5, 1e-4, id="fp32"),        # measured 2.9e-6 / 1.4e-5
+    pytest.param("float64", 1e-12, 1e-12, id="fp64", marks=pytest.mark.slow),  # 5e-15 / 2e-14
+]
+
+
+@pytest.mark.parametrize("dtype,weight_tol,update_tol", TOLERANCES)
+@pytest.mark.parametrize("n,schedule,chunks", SCHEDULES)
+def test_same_batch_same_weights_whoever_trains_it(ray_local, learner_pool, model_dir, dtype,
+                                                   weight_tol, update_tol, n, schedule, chunks):
+    want = reference_weights(model_dir, dtype)
+    start = {k: v.to(DTYPES[dtype]) for k, v in load_model(model_dir).state_dict().items()}
+    learners = learner_pool(dtype)[:n]
+    group = ElasticLearnerGroup(learners)
+    train(ray_local, group, schedule, chunks=chunks)
+    assert group.version == 2
+    for learner in learners if n == 1 else learners[1:]:  # every cell of step 2
+        weight_err, update_err = errors(ray_local.get(learner.get_weights.remote()), want,
+                                        start)
+        print(f"{dtype} n={n} chunks={chunks}: weights {weight_err:.2e}, "
+              f"update {update_err:.2e}")
+        assert weight_err <= weight_tol and update_err <= update_tol
+
+
+def test_chunk_weights_add_up_to_the_batch_normalizer():
+    runs = step_runs(0)
+    whole = TrajectoryProcessor(PROC).process(runs).packed
+    parts = [chunk(runs[i:i + 6], processor=PROC, max_tokens=MICRO_TOKENS) for i in (0, 6)]
+    assert sum(p[0].weight for p in parts) == whole.num_targets
+    scales = torch.cat([m.tensors["loss_scale"] for p in parts for m in p])
+    assert torch.equal(scales, torch.ones_like(scales))     # un-normalised, exactly 1 each
+    assert sum(m.targets for p in parts for m in p) == whole.num_targets
+    assert chunk_normalizer(0, 3, "run") == 3.0 and chunk_normalizer(0, 0, "token") == 1.0
+    assert list(itertools.chain(*(p[0].run_ids for p in parts))) == [r.run_id for r in runs]
