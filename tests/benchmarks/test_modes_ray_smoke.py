@@ -1,0 +1,31 @@
+"""Tiny-budget smoke run of benchmarks/modes_ray.py: real Ray cells, every mode, the simulator
+on the same workload; table, JSON shape and one timeline PNG per mode."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "modes_ray.py"
+
+
+@pytest.mark.benchmark
+@pytest.mark.ray
+def test_modes_ray_smoke(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("modes_ray", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out_json, plots = tmp_path / "out.json", tmp_path / "plots"
+    mod.main(["--smoke", "--seed", "0", "--json", str(out_json), "--plot-dir", str(plots)])
+    data = json.loads(out_json.read_text())
+    assert set(data["modes"]) == {"colocated", "async", "elastic"}
+    for mode, row in data["modes"].items():
+        assert row["makespan_s"] > 0 and row["sim_makespan_s"] > 0
+        assert 0 < row["gpu_busy_frac"] <= 1
+        assert row["violations"] == [] and row["placement_groups_created"] == data["cells"]
+        assert row["switch_s_max"] < 1.0
+        assert (plots / f"modes_ray_{mode}.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| mode | makespan s | sim s |" in capsys.readouterr().out
