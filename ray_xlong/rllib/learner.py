@@ -59,6 +59,8 @@ class LearnerSettings:
     """Training dtype: one of :data:`DTYPES`."""
     micro_batch_tokens: int = 4096
     """Token budget of one micro-batch (rows × width)."""
+    grad_clip: float | None = None
+    """Global-norm clip of the reduced gradient before the optimizer step (None: no clip)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or not self.model_dir:
@@ -69,6 +71,9 @@ class LearnerSettings:
         if self.dtype not in DTYPES:
             raise ValueError(f"LearnerSettings.dtype must be one of {sorted(DTYPES)}, "
                              f"got {self.dtype!r}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"LearnerSettings.grad_clip must be > 0 or None, "
+                             f"got {self.grad_clip!r}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"LearnerSettings.micro_batch_tokens must be >= 1, "
                              f"got {self.micro_batch_tokens!r}")
@@ -157,6 +162,8 @@ class XLongLearner(TorchLearner):
             for other in grads[1:]:
                 g += other[name]
             p.grad = g / total
+        if self.settings.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(self.lm.parameters()), self.settings.grad_clip)
         self.get_optimizer().step()
         self.get_optimizer().zero_grad(set_to_none=True)
         self.version = version

@@ -1,0 +1,183 @@
+"""``XLongAlgorithm``: an RLlib ``Algorithm`` whose ``training_step`` drives cells through the
+scheduler — one optimizer step per call.
+
+```
+setup(config)           cells up once (placement groups; runner + Learner per cell); callbacks
+training_step()         first call: SteppingActuator.start() (weights of the start version)
+                        every call: actuator.advance() → StepReport → self.metrics (RLlib keys)
+train()                 RLlib's: training_step, compile metrics, on_train_result callbacks
+save_to_path(p)         state = Learner state of the current version (weights + Adam moments)
+                                + training_iteration
+restore_from_path(p)    into an algorithm that has not trained yet: the first training_step
+                        starts every cell on that state (same version, same iteration)
+stop()                  actors and placement groups go
+```
+
+Result keys: ``env_runners/episode_return_mean`` (mean reward of the runs the step trained),
+``env_runners/num_episodes``, and ``xlong/<StepReport field>`` (``policy_version``,
+``tokens_trained``, ``unique_tokens``, ``total_tokens``, ``trajectories_kept`` / ``_dropped``,
+``staleness_max``, ``cells_<role>``, ``gpu_busy_frac``, ``step_s``, ``elapsed_s``).
+
+Limits (said, not hidden): a checkpoint holds the trained state, not runs in flight or ended
+runs not trained yet (they are re-sampled after a restore, on fresh task instances); RLlib's
+evaluation and learner-connector pipeline are not run (the trajectory processor is the
+connector; see ``enable.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any
+
+import ray
+from ray.rllib.algorithms.algorithm import Algorithm
+from ray.rllib.callbacks.utils import make_callback
+from ray.rllib.utils import force_list
+from ray.rllib.utils.checkpoints import Checkpointable
+from ray.rllib.utils.debug import update_global_seed_if_necessary
+from ray.rllib.utils.metrics import (ENV_RUNNER_RESULTS, EPISODE_RETURN_MEAN,
+                                     NUM_ENV_STEPS_SAMPLED_LIFETIME, NUM_EPISODES)
+
+from ray_xlong.rllib.algorithm_config import XLongConfig
+from ray_xlong.rllib.stepping import StepReport, SteppingActuator
+
+XLONG = "xlong"
+"""Result key of the xlong metrics."""
+TRAINING_ITERATION = "training_iteration"
+
+
+class XLongAlgorithm(Algorithm):
+    """See the module docstring."""
+
+    @classmethod
+    def get_default_config(cls) -> XLongConfig:
+        return XLongConfig(cls)
+
+    def setup(self, config: XLongConfig) -> None:
+        """Cells up, callbacks made, ``on_algorithm_init`` fired (no RLlib EnvRunnerGroup:
+        the cells' runners are the env runners)."""
+        from ray_xlong.rllib.cells import create_cells
+        from ray_xlong.rllib.env_runner import RolloutConfig
+
+        update_global_seed_if_necessary("torch", self.config.seed)
+        self.callbacks = [cls() for cls in force_list(self.config.callbacks_class)]
+        self.local_replay_buffer, self.offline_data = None, None
+        self.remote_requests_in_flight = collections.defaultdict(set)
+        self.env_runner_group, self.spaces = None, None
+        self.env_to_module_connector = self.module_to_env_connector = None
+        self.evaluation_config = self.config.get_evaluation_config_object()
+        self._aggregator_actor_manager = None
+        self._set_up_metrics()
+        self.job = self.config.job_config(group_offset=0)
+        _ensure_ray(self.job.layout)
+        opt = self.config.xlong_options
+        rollout = RolloutConfig(model_dir=self.job.learner.model_dir, backend=opt.engine,
+                                harness=opt.harness, max_batch_size=opt.slots_per_cell,
+                                seed=int(self.config.seed or 0))
+        self.pool = create_cells(self.job.layout, rollout=rollout, learner=self.job.learner,
+                                 seed=int(self.config.seed or 0))
+        self.actuator: SteppingActuator | None = None
+        self.policy_version = 0
+        self._start_state: dict[str, Any] | None = None
+        self.reports: list[StepReport] = []
+        make_callback("on_algorithm_init", self.callbacks,
+                      self.config.callbacks_on_algorithm_init,
+                      kwargs=dict(algorithm=self, metrics_logger=self.metrics))
+
+    # -- training ------------------------------------------------------------------------------
+    def training_step(self) -> None:
+        """One optimizer step on the cells; metrics go to ``self.metrics``."""
+        if self.actuator is None:
+            self.actuator = self._start_actuator()
+        report = self.actuator.advance()
+        self.policy_version = report.version
+        self.reports.append(report)
+        self._log(report)
+
+    def _start_actuator(self) -> SteppingActuator:
+        from ray_xlong.rllib.config import make_policy
+
+        version = self.policy_version
+        job = self.config.job_config(group_offset=version * self.config.groups_per_step)
+        if self._start_state is None:
+            state_ref, weights_ref = self.pool.initial_state, self.pool.initial_weights
+        else:
+            state_ref = ray.put(self._start_state)
+            weights_ref = ray.put(self._start_state["weights"])
+        actuator = SteppingActuator(job, make_policy(job), self.pool, version=version,
+                                    state_ref=state_ref, weights_ref=weights_ref)
+        actuator.start()
+        return actuator
+
+    def _log(self, report: StepReport) -> None:
+        m = self.metrics
+        m.log_value((ENV_RUNNER_RESULTS, EPISODE_RETURN_MEAN), report.reward_mean, window=1)
+        m.log_value((ENV_RUNNER_RESULTS, NUM_EPISODES), report.runs, reduce="sum",
+                    clear_on_reduce=True)
+        m.log_value(NUM_ENV_STEPS_SAMPLED_LIFETIME, report.runs, reduce="sum")
+        m.log_value((XLONG, "policy_version"), report.version, window=1)
+        for name in ("tokens_trained", "unique_tokens", "total_tokens", "trajectories_kept",
+                     "trajectories_dropped", "staleness_max", "gpu_busy_frac", "step_s",
+                     "elapsed_s", "runs"):
+            m.log_value((XLONG, name), getattr(report, name), window=1)
+        for role, count in report.cells_by_role.items():
+            m.log_value((XLONG, f"cells_{role}"), count, window=1)
+
+    def restore_env_runners(self, env_runner_group) -> list:
+        """No RLlib EnvRunnerGroup to repair (a dead cell actor raises ``CellActorDied``)."""
+        return []
+
+    def events(self) -> list:
+        """The event log of the job so far (simulator format; for ``plot_timelines``)."""
+        return list(self.actuator.m.log) if self.actuator else []
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def get_state(self, components=None, *, not_components=None, **kwargs) -> dict[str, Any]:
+        """Learner state of the current version + ``training_iteration``."""
+        if self.actuator is not None:
+            learner = ray.get(self.actuator.group.state_ref)
+        elif self._start_state is not None:
+            learner = self._start_state
+        else:
+            learner = ray.get(self.pool.initial_state)
+        return {XLONG: {"learner": learner, "policy_version": self.policy_version},
+                TRAINING_ITERATION: self.training_iteration}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Load :meth:`get_state` output (only before the first ``training_step``)."""
+        if self.actuator is not None:
+            raise RuntimeError("XLongAlgorithm.set_state: restore into an algorithm that has "
+                               "not trained yet (runs are live on its cells)")
+        if XLONG in state:
+            self._start_state = state[XLONG]["learner"]
+            self.policy_version = int(state[XLONG]["policy_version"])
+            if int(self._start_state["version"]) != self.policy_version:
+                raise ValueError("XLongAlgorithm.set_state: learner state version "
+                                 f"{self._start_state['version']} != policy_version "
+                                 f"{self.policy_version}")
+        if TRAINING_ITERATION in state:
+            self._iteration = int(state[TRAINING_ITERATION])
+
+    def get_checkpointable_components(self) -> list:
+        return []
+
+    def restore_from_path(self, path, *args, **kwargs) -> None:
+        Checkpointable.restore_from_path(self, path, *args, **kwargs)
+
+    def cleanup(self) -> None:
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.shutdown()
+            self.pool = None
+
+
+def _ensure_ray(layout) -> None:
+    """Start an embedded local Ray with the layout's (logical) resources if none is up."""
+    if ray.is_initialized():
+        return
+    gpus = layout.cells * layout.nodes_per_cell * layout.gpus_per_node
+    cpus = max(os.cpu_count() or 1, layout.cells * layout.nodes_per_cell
+               * layout.cpus_per_bundle)
+    ray.init(num_cpus=int(-(-cpus // 1)), num_gpus=gpus, include_dashboard=False,
+             log_to_driver=False)

@@ -1,0 +1,231 @@
+"""``XLongConfig``: the RLlib ``AlgorithmConfig`` of an xlong training job, with ``.xlong(...)``.
+
+RLlib's builders keep their meaning; what RLlib has no word for goes through ``.xlong``::
+
+    XLongConfig()
+      .training(lr=5e-4, grad_clip=1.0, train_batch_size_per_learner=128)  runs per step
+      .env_runners(num_env_runners=2, num_cpus_per_env_runner=1.0,        cells (one engine
+                   num_gpus_per_env_runner=1)                             runner + learner each)
+      .callbacks(MyCallbacks)                                             on_algorithm_init,
+                                                                          on_train_result …
+      .rl_module(model_config={"model_dir": ..., "dtype": "float32"})     the HF causal LM
+      .debugging(seed=0)
+      .xlong(mode="elastic", runs_per_group=8, staleness_bound=1, engine="vllm", task="lookup")
+      .build_algo()                                                       -> XLongAlgorithm
+
+One episode is one agent run, so batch sizes count runs: a step trains
+``total_train_batch_size`` runs = ``groups`` × ``runs_per_group`` (must divide). Cells come from
+``num_env_runners`` (a cell hosts one rollout runner and one Learner; ``num_learners`` stays 0:
+the elastic learner group owns the Learners) or ``.xlong(cells=...)``; setting both to
+different numbers is an error. :meth:`XLongConfig.job_config` combines everything into the
+cell layer's job record (``config.XLongConfig``, called ``CellJobConfig`` here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
+
+from ray_xlong.rollout import HarnessConfig
+from ray_xlong.trajectory import LossConfig
+
+MODES = ("colocated", "async", "elastic", "colocated+streaming", "async+streaming")
+"""Valid ``XLongOptions.mode`` values (the cell layer's modes)."""
+ENGINES = ("hf", "vllm")
+"""Valid ``XLongOptions.engine`` values."""
+RECIPE_HARNESS = HarnessConfig(max_new_tokens=8, max_calls=4, max_retries=1)
+"""Run budgets of the lookup recipe (``rollout.local_rl.LocalRLConfig.harness``)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class XLongOptions:
+    """What ``.xlong(...)`` sets (each field validated at construction)."""
+
+    mode: str = "elastic"
+    """One of :data:`MODES`: how cells change role."""
+    cells: int | None = None
+    """Cells (None: ``num_env_runners``, or 2 when that is 0)."""
+    nodes_per_cell: int = 1
+    """Bundles (nodes) per cell."""
+    cpus_per_cell: float | None = None
+    """CPUs of a cell's bundle (None: ``num_cpus_per_env_runner``)."""
+    gpus_per_node: int | None = None
+    """(Logical) GPUs per bundle (None: ``num_gpus_per_env_runner``, at least 1)."""
+    placement_strategy: str = "STRICT_SPREAD"
+    """Placement strategy of a cell's bundles (``PACK`` on one machine)."""
+    slots_per_cell: int = 64
+    """Runs one rollout cell serves at once (its engine's batch)."""
+    async_rollout_cells: int = 1
+    """Rollout pool size of the async modes."""
+    runs_per_group: int = 8
+    """GRPO group size (runs of one task instance)."""
+    max_trajectories_per_run: int = 5
+    """K: trajectories kept per run."""
+    staleness_bound: int = 1
+    """Max (step that trains a group) − (version its runs started with)."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one micro-batch sent to a training cell."""
+    engine: str = "hf"
+    """Inference backend of rollout cells: ``hf`` | ``vllm``."""
+    task: str = "lookup"
+    """Registered task every run does."""
+    model_dir: str | None = None
+    """Policy directory (model + tokenizer); ``rl_module(model_config={"model_dir": ...})``
+    overrides it. Required to build."""
+    dtype: str = "float32"
+    """Learner dtype."""
+    loss: LossConfig = LossConfig()
+    """Token loss (PPO clip ε low/high, or TIS)."""
+    pack: str = "tree"
+    """``tree`` | ``per_trajectory`` packing of training batches."""
+    normalize_std: bool = True
+    """Divide group advantages by the group reward std."""
+    harness: HarnessConfig = RECIPE_HARNESS
+    """Per-run budgets (tokens, calls, wall clock)."""
+    max_steps: int = 100_000
+    """Length of the scheduler's job (``train()`` may be called at most this often)."""
+    poll_s: float = 0.2
+    """Longest the driver waits for an actor report before deciding again."""
+
+    def __post_init__(self) -> None:
+        _check(self.mode in MODES, "mode", f"one of {MODES}", self.mode)
+        _check(self.engine in ENGINES, "engine", f"one of {ENGINES}", self.engine)
+        _check(self.pack in ("tree", "per_trajectory"), "pack", "'tree' or 'per_trajectory'",
+               self.pack)
+        for name in ("nodes_per_cell", "slots_per_cell", "async_rollout_cells",
+                     "runs_per_group", "max_trajectories_per_run", "micro_batch_tokens",
+                     "max_steps"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, name, "an int >= 1", value)
+        _check(_is_int(self.staleness_bound) and self.staleness_bound >= 0, "staleness_bound",
+               "an int >= 0", self.staleness_bound)
+        _check(self.cells is None or (_is_int(self.cells) and self.cells >= 1), "cells",
+               "None or an int >= 1", self.cells)
+        _check(self.cpus_per_cell is None or self.cpus_per_cell > 0, "cpus_per_cell",
+               "None or > 0", self.cpus_per_cell)
+        _check(self.gpus_per_node is None or (_is_int(self.gpus_per_node)
+                                              and self.gpus_per_node >= 0),
+               "gpus_per_node", "None or an int >= 0", self.gpus_per_node)
+        _check(self.model_dir is None or (isinstance(self.model_dir, str) and self.model_dir),
+               "model_dir", "None or a path string", self.model_dir)
+        _check(isinstance(self.loss, LossConfig), "loss", "a LossConfig", self.loss)
+        _check(isinstance(self.harness, HarnessConfig), "harness", "a HarnessConfig",
+               self.harness)
+        _check(self.poll_s > 0, "poll_s", "> 0", self.poll_s)
+        from ray_xlong.rollout.tasks import TASKS
+
+        _check(self.task in TASKS, "task", f"one of {sorted(TASKS)}", self.task)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, field: str, want: str, got: Any) -> None:
+    if not ok:
+        raise ValueError(f"XLongOptions.{field} must be {want}, got {got!r}")
+
+
+class XLongConfig(AlgorithmConfig):
+    """AlgorithmConfig of :class:`~ray_xlong.rllib.algorithm.XLongAlgorithm` (module doc)."""
+
+    def __init__(self, algo_class: type | None = None) -> None:
+        from ray_xlong.rllib.algorithm import XLongAlgorithm
+
+        super().__init__(algo_class=algo_class or XLongAlgorithm)
+        # The lookup recipe (rollout.local_rl): lr, clip, 16 groups × 8 runs per step.
+        self.lr = 5e-4
+        self.grad_clip = 1.0
+        self.train_batch_size_per_learner = 128
+        self.train_batch_size = 128
+        self.xlong_options = XLongOptions()
+
+    def xlong(self, *, mode: str = NotProvided, cells: int = NotProvided,
+              nodes_per_cell: int = NotProvided, cpus_per_cell: float = NotProvided,
+              gpus_per_node: int = NotProvided, placement_strategy: str = NotProvided,
+              slots_per_cell: int = NotProvided, async_rollout_cells: int = NotProvided,
+              runs_per_group: int = NotProvided, max_trajectories_per_run: int = NotProvided,
+              staleness_bound: int = NotProvided, micro_batch_tokens: int = NotProvided,
+              engine: str = NotProvided, task: str = NotProvided, model_dir: str = NotProvided,
+              dtype: str = NotProvided, loss: LossConfig = NotProvided, pack: str = NotProvided,
+              normalize_std: bool = NotProvided, harness: HarnessConfig = NotProvided,
+              max_steps: int = NotProvided, poll_s: float = NotProvided) -> "XLongConfig":
+        """Set xlong options (fields of :class:`XLongOptions`; validated here). Returns self."""
+        given = {k: v for k, v in locals().items() if k != "self" and v is not NotProvided}
+        self.xlong_options = dataclasses.replace(self.xlong_options, **given)
+        return self
+
+    # -- what the options resolve to -----------------------------------------------------------
+    @property
+    def num_cells(self) -> int:
+        """Cells of the job (``.xlong(cells)`` or ``num_env_runners`` or 2)."""
+        opt = self.xlong_options
+        if opt.cells is not None and self.num_env_runners not in (0, opt.cells):
+            raise ValueError(f"XLongConfig: xlong(cells={opt.cells}) and env_runners("
+                             f"num_env_runners={self.num_env_runners}) disagree (a cell hosts "
+                             f"one env runner)")
+        return opt.cells or self.num_env_runners or 2
+
+    @property
+    def groups_per_step(self) -> int:
+        """Groups a step trains: ``total_train_batch_size`` runs ÷ ``runs_per_group``."""
+        runs, r = int(self.total_train_batch_size), self.xlong_options.runs_per_group
+        if runs < r or runs % r:
+            raise ValueError(f"XLongConfig.train_batch_size_per_learner ({runs} runs per step) "
+                             f"must be a multiple of xlong(runs_per_group={r})")
+        return runs // r
+
+    @property
+    def policy_model_dir(self) -> str:
+        """The policy directory (``rl_module(model_config)`` first, then ``.xlong``)."""
+        cfg = self.model_config if isinstance(self.model_config, dict) else {}
+        path = cfg.get("model_dir") or self.xlong_options.model_dir
+        if not path:
+            raise ValueError("XLongOptions.model_dir: no policy directory (set .xlong("
+                             "model_dir=...) or .rl_module(model_config={'model_dir': ...}))")
+        return str(path)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_learners:
+            raise ValueError(f"XLongConfig.num_learners must be 0 (each cell hosts its own "
+                             f"Learner; set cells instead), got {self.num_learners}")
+        if self.grad_clip_by != "global_norm" and self.grad_clip is not None:
+            raise ValueError(f"XLongConfig.grad_clip_by must be 'global_norm', "
+                             f"got {self.grad_clip_by!r}")
+        self.job_config(group_offset=0)
+
+    def job_config(self, *, group_offset: int):
+        """The cell layer's job record (``ray_xlong.rllib.config.XLongConfig``)."""
+        from ray_xlong.rllib.cells import CellLayout
+        from ray_xlong.rllib.config import XLongConfig as CellJobConfig
+        from ray_xlong.rllib.learner import LearnerSettings
+        from ray_xlong.rllib.task_job import TaskJob
+        from ray_xlong.scheduling import SchedulingConfig
+        from ray_xlong.trajectory import ProcessorConfig
+
+        opt = self.xlong_options
+        cpus = opt.cpus_per_cell or float(self.num_cpus_per_env_runner or 1)
+        gpus = opt.gpus_per_node if opt.gpus_per_node is not None else max(
+            int(self.num_gpus_per_env_runner or 0), 1)
+        cfg = self.model_config if isinstance(self.model_config, dict) else {}
+        learner = LearnerSettings(model_dir=self.policy_model_dir, lr=float(self.lr),
+                                  loss=opt.loss, dtype=cfg.get("dtype", opt.dtype),
+                                  micro_batch_tokens=opt.micro_batch_tokens,
+                                  grad_clip=self.grad_clip)
+        return CellJobConfig(
+            mode=opt.mode,
+            job=SchedulingConfig(opt.max_steps, self.groups_per_step, opt.runs_per_group,
+                                 opt.staleness_bound),
+            layout=CellLayout(cells=self.num_cells, nodes_per_cell=opt.nodes_per_cell,
+                              gpus_per_node=gpus, cpus_per_bundle=cpus,
+                              strategy=opt.placement_strategy),
+            learner=learner, slots_per_cell=opt.slots_per_cell,
+            async_rollout_cells=opt.async_rollout_cells,
+            work=TaskJob(opt.task, seed=int(self.seed or 0), group_offset=group_offset),
+            harness=opt.harness,
+            processor=ProcessorConfig(max_trajectories_per_run=opt.max_trajectories_per_run,
+                                      pack=opt.pack, normalize_std=opt.normalize_std),
+            poll_s=opt.poll_s)
