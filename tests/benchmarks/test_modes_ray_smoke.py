@@ -14,6 +14,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "modes_ray
 
 @pytest.mark.benchmark
 @pytest.mark.ray
+@pytest.mark.slow
 def test_modes_ray_smoke(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("modes_ray", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
