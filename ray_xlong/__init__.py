@@ -12,3 +12,17 @@ Layers import only downwards; ``trajectory``, ``scheduling`` and ``sim`` are pur
 """
 
 __version__ = "0.1.0"
+
+
+def enable(config, *, ignore=(), **xlong_options):
+    """Turn an existing RLlib ``AlgorithmConfig`` into an ``XLongConfig`` keeping its settings.
+
+    See :func:`ray_xlong.rllib.enable.enable` (imported on first call: ``import ray_xlong``
+    does not import ray).
+    """
+    from ray_xlong.rllib.enable import enable as _enable
+
+    return _enable(config, ignore=ignore, **xlong_options)
+
+
+__all__ = ["__version__", "enable"]
