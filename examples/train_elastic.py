@@ -42,9 +42,14 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix(reward=f"{report.reward_mean:.2f}")
         bar.update(1)
 
+    warm = None
+    if args.smoke:
+        from ray_xlong.rollout.local_rl import WarmStartConfig
+
+        warm = WarmStartConfig(clean_steps=5, noisy_steps=2)
     run = run_training(mode=args.mode, steps=args.steps, seed=args.seed, engine=args.engine,
                        workdir=args.workdir, groups=args.groups,
-                       runs_per_group=args.runs_per_group, on_step=on_step)
+                       runs_per_group=args.runs_per_group, warm=warm, on_step=on_step)
     bar.close()
     plot_timelines({f"{run.mode} ({run.engine})": run.events}, str(out / "timeline.png"),
                    title="cells by role (rollout / draining / training / syncing)")
@@ -89,7 +94,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs-per-group", type=int, default=8)
     p.add_argument("--workdir", default=".cache/ray_xlong", help="model cache")
     p.add_argument("--out", default="out/train_elastic", help="timeline, summary, table")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny budget (CI): 2 steps of 2 groups x 2 runs, a 7-step warm start")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.groups, args.runs_per_group = 2, 2, 2
+    return args
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     ray-xlong inspect  runs.jsonl [--run RUN] [--max-trajectories 5] [--tree-tokens 8]
     ray-xlong sim      [--preset paper-2.4t] [--seed 0] [--steps N] [--events-dir DIR]
     ray-xlong timeline events.jsonl [more.jsonl ...] --out timeline.png
+    ray-xlong train    [--mode elastic] [--engine vllm|hf] [--steps 25] [--seed 1] [--out DIR]
 
 Files: runs are JSONL (schema in ``ray_xlong/trajectory/recording.py``); event logs are JSONL
 of ``ray_xlong.scheduling.events.Event`` (the simulator and the Ray driver write the same).
@@ -137,6 +138,24 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """RL on the lookup task on a local Ray (the README main job; see examples/)."""
+    from ray_xlong.rllib.train import HEADER, row, run_training
+    from ray_xlong.sim.timeline import plot_timelines
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(HEADER, flush=True)
+    run = run_training(mode=args.mode, steps=args.steps, seed=args.seed, engine=args.engine,
+                       workdir=args.workdir, groups=args.groups,
+                       runs_per_group=args.runs_per_group,
+                       on_step=lambda r: print(row(r), flush=True))
+    plot_timelines({f"{run.mode} ({run.engine})": run.events}, str(out / "timeline.png"))
+    print(f"reward {run.rewards[0]:.3f} -> {run.rewards[-1]:.3f}; cells up {run.startup_s:.0f}"
+          f" s, training {run.train_s:.0f} s; wrote {out / 'timeline.png'}")
+    return 0
+
+
 def _existing(path: str) -> str:
     if not pathlib.Path(path).is_file():
         raise CliError(f"{path}: no such file")
@@ -184,6 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output PNG")
     p.add_argument("--title", default="")
     p.set_defaults(fn=cmd_timeline)
+
+    p = sub.add_parser("train", help="RL on the lookup task on cells of a local Ray")
+    p.add_argument("--mode", default="elastic",
+                   choices=["colocated", "async", "elastic", "colocated+streaming",
+                            "async+streaming"])
+    p.add_argument("--engine", default="vllm", choices=["hf", "vllm"])
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--runs-per-group", type=int, default=8)
+    p.add_argument("--workdir", default=".cache/ray_xlong", help="model cache")
+    p.add_argument("--out", default="out/train", help="timeline PNG goes here")
+    p.set_defaults(fn=cmd_train)
     return parser
 
 

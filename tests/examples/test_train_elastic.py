@@ -1,0 +1,50 @@
+"""The README's main job and the enable example run end to end (tiny budgets)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.ray
+
+
+def run(args, tmp_path, timeout=400):
+    env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="rx", dir="/tmp"))
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_train_elastic_smoke_writes_table_timeline_and_summary(tmp_path):
+    out = run(["examples/train_elastic.py", "--smoke", "--engine", "hf",
+               "--workdir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")], tmp_path)
+    assert "| step | reward |" in out.stdout and "| 2 |" in out.stdout   # per-step table
+    assert "elastic on hf engines" in out.stdout
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 2 and len(summary["rewards"]) == 2
+    assert (tmp_path / "out" / "timeline.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_train_elastic_smoke_on_vllm(tmp_path):
+    pytest.importorskip("vllm")
+    out = run(["examples/train_elastic.py", "--smoke", "--engine", "vllm",
+               "--workdir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")], tmp_path)
+    assert "elastic on vllm engines" in out.stdout
+
+
+@pytest.mark.slow
+def test_enable_on_existing_config_example(tmp_path):
+    out = run(["examples/enable_on_existing_config.py", "--steps", "2"], tmp_path)
+    assert "as expected: enable: 2 setting(s)" in out.stdout
+    assert "kept: lr=0.0003 grad_clip=0.5 runs/step=8" in out.stdout
+    assert "step 2: reward" in out.stdout
