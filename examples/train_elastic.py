@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             tqdm.write(HEADER)
         rows.append(row(report))
         tqdm.write(rows[-1])
+        sys.stdout.flush()
         bar.set_postfix(reward=f"{report.reward_mean:.2f}")
         bar.update(1)
 

@@ -103,7 +103,7 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
               .training(train_batch_size_per_learner=groups * runs_per_group)
               .xlong(mode=mode, cells=cells, runs_per_group=runs_per_group, engine=engine,
                      model_dir=model_dir, staleness_bound=staleness_bound,
-                     slots_per_cell=groups * runs_per_group, placement_strategy="PACK"))
+                     placement_strategy="PACK"))
     algo = config.build_algo()
     t2 = time.perf_counter()
     try:
