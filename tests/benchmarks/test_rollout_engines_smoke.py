@@ -17,7 +17,8 @@ def run(tmp_path, engines):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--engines", engines,
                            "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "| tokens_per_s |" in proc.stdout
+    for key in ("tokens_per_s", "prompt_tokens_per_s", "prefix_hit_rate", "peak_rss_mib"):
+        assert f"| {key} |" in proc.stdout
     return json.loads(out.read_text())
 
 
@@ -25,7 +26,30 @@ def run(tmp_path, engines):
 def test_smoke_hf(tmp_path):
     data = run(tmp_path, "hf")
     (row,) = data["rows"]
-    assert row["engine"] == "hf" and row["output_tokens"] > 0 and row["calls"] >= 2
+    assert row["engine"] == "hf" and row["output_tokens"] > 0
+    assert row["calls"] == data["runs"] * data["calls"]        # no retries: one call per turn
+    assert row["system_prompt_tokens"] >= data["system_tokens"]
+    assert row["cached_tokens"] == 0 and row["prefix_hit_rate"] == 0   # HF: no prefix cache
+    # the workload shares whole blocks (multi-turn contexts over a long system prompt)
+    assert 0 < row["expected_hit_rate"] <= row["block_ceiling_hit_rate"] < 1
+
+
+def test_expected_cached_blocks():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from rollout_engines import expected_cached
+
+    class Call:
+        def __init__(self, inp, out, start, end):
+            self.input_ids, self.output_ids = list(inp), list(out)
+            self.start_time, self.end_time = start, end
+
+    shared = list(range(10))
+    out0 = [60, 61, 62, 63, 64]
+    calls = [Call(shared + [50, 51], out0, 0, 1),              # first: nothing cached
+             Call(shared + [70, 71, 72], [80], 0, 1),          # same batch: call 0's prompt
+             Call(shared + [50, 51] + out0[:4] + [90], [9], 2, 3)]   # call 0's next turn:
+    hits, ceiling = expected_cached(calls, 4)                  # its output's block too
+    assert hits == [0, 8, 16] and ceiling == [8, 12, 16]
 
 
 @pytest.mark.benchmark
@@ -36,4 +60,7 @@ def test_smoke_vllm_and_hf(tmp_path):
     data = run(tmp_path, "vllm,hf")
     rows = {r["engine"]: r for r in data["rows"]}
     assert "error" not in rows["vllm"], rows["vllm"]
-    assert rows["vllm"]["output_tokens"] == rows["hf"]["output_tokens"]   # same greedy runs
+    assert data["same_tokens"]                                           # same greedy runs
+    assert rows["vllm"]["output_tokens"] == rows["hf"]["output_tokens"]
+    assert rows["vllm"]["block_size"] >= 16
+    assert 0 < rows["vllm"]["prefix_hit_rate"] <= rows["vllm"]["block_ceiling_hit_rate"]
