@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -97,10 +98,13 @@ def test_user_callbacks_fire(trained):
 RESTORE = textwrap.dedent("""
     import json, os, sys
     import ray, torch
-    from ray_xlong.rllib.algorithm import XLongAlgorithm
-    path, out = sys.argv[1], sys.argv[2]
+    from ray_xlong.rllib.algorithm_config import XLongConfig
+    path, out, model_dir = sys.argv[1], sys.argv[2], sys.argv[3]
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    algo = XLongAlgorithm.from_checkpoint(path)
+    algo = (XLongConfig().training(train_batch_size_per_learner=8).debugging(seed=0)
+            .xlong(mode="elastic", cells=2, runs_per_group=4, slots_per_cell=8,
+                   model_dir=model_dir, placement_strategy="PACK")).build_algo()
+    algo.restore_from_path(path)
     before = algo.get_state()["xlong"]
     saved = torch.load(os.path.join(out, "saved.pt"))
     same = all(torch.equal(before["learner"]["weights"][k], v) for k, v in saved.items())
@@ -115,15 +119,18 @@ RESTORE = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_checkpoint_restores_in_a_new_process(trained, tmp_path):
+def test_checkpoint_restores_in_a_new_process(trained, plain_model, tmp_path):
     import torch
 
     _, path, weights = trained
     ray.shutdown()                                         # the new process brings its own
     torch.save(weights, tmp_path / "saved.pt")
-    env = dict(os.environ, RAY_TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "-c", RESTORE, str(path), str(tmp_path)], check=True,
-                   env=env, cwd=ROOT, timeout=300)
+    env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="rx", dir="/tmp"),
+               PYTHONPATH=str(ROOT))   # Ray socket paths must stay under 107 bytes
+    proc = subprocess.run([sys.executable, "-c", RESTORE, str(path), str(tmp_path),
+                           plain_model], env=env, cwd=ROOT, timeout=300, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads((tmp_path / "r.json").read_text())
     assert got == {"version_restored": 2, "weights_equal": True, "iteration": 3,
                    "version": 3, "first_version_trained_on": 2}
