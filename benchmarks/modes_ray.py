@@ -41,7 +41,7 @@ def build_config(size: dict, *, model_dir: str, seed: int):
     """The job of a size: ``task_steps`` tool calls of median ``median_s`` task seconds each,
     heavy-tailed (sigma 1), a run capped at 2.5 × task_steps × the median (wall clock)."""
     from ray_xlong.rllib.cells import CellLayout
-    from ray_xlong.rllib.config import XLongConfig
+    from ray_xlong.rllib.config import CellJobConfig
     from ray_xlong.rllib.learner import LearnerSettings
     from ray_xlong.rllib.long_horizon_job import LongHorizonJob
     from ray_xlong.rollout import HarnessConfig
@@ -52,7 +52,7 @@ def build_config(size: dict, *, model_dir: str, seed: int):
     work = LongHorizonJob(task=LongHorizonConfig(
         num_steps=size["task_steps"], latency_median_s=size["median_s"], latency_sigma=1.0,
         time_scale=1 / 3600), seed=seed)
-    return XLongConfig(
+    return CellJobConfig(
         mode="colocated",
         job=SchedulingConfig(total_steps=size["steps"], batch_groups=size["batch"],
                              runs_per_group=size["group"], staleness_bound=1),

@@ -35,7 +35,7 @@ from typing import Any
 import ray
 
 from ray_xlong.rllib.cells import CellPool
-from ray_xlong.rllib.config import XLongConfig
+from ray_xlong.rllib.config import CellJobConfig
 from ray_xlong.rllib.learner_group import ElasticLearnerGroup, MicroBatch, chunk
 from ray_xlong.rllib.metrics import RayResult
 from ray_xlong.scheduling import (CellMachine, Drain, Event, JoinStep, Policy, Reserve, Role,
@@ -52,7 +52,7 @@ class CellActorDied(RuntimeError):
 class RayActuator:
     """Drives one job on a :class:`CellPool` with one policy (see module docstring)."""
 
-    def __init__(self, config: XLongConfig, policy: Policy, pool: CellPool) -> None:
+    def __init__(self, config: CellJobConfig, policy: Policy, pool: CellPool) -> None:
         if len(pool.cells) != config.layout.cells:
             raise ValueError(f"RayActuator.pool: {len(pool.cells)} cells, config.layout "
                              f"wants {config.layout.cells}")

@@ -18,7 +18,7 @@ One episode is one agent run, so batch sizes count runs: a step trains
 ``num_env_runners`` (a cell hosts one rollout runner and one Learner; ``num_learners`` stays 0:
 the elastic learner group owns the Learners) or ``.xlong(cells=...)``; setting both to
 different numbers is an error. :meth:`XLongConfig.job_config` combines everything into the
-cell layer's job record (``config.XLongConfig``, called ``CellJobConfig`` here).
+cell layer's job record (``config.CellJobConfig``).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ class XLongConfig(AlgorithmConfig):
     def job_config(self, *, group_offset: int):
         """The cell layer's job record (``ray_xlong.rllib.config.XLongConfig``)."""
         from ray_xlong.rllib.cells import CellLayout
-        from ray_xlong.rllib.config import XLongConfig as CellJobConfig
+        from ray_xlong.rllib.config import CellJobConfig
         from ray_xlong.rllib.learner import LearnerSettings
         from ray_xlong.rllib.task_job import TaskJob
         from ray_xlong.scheduling import SchedulingConfig

@@ -1,4 +1,4 @@
-"""``XLongConfig``: one record for a job on cells — mode, job shape, layout, rollout, learner.
+"""``CellJobConfig``: one record for a job on cells — mode, job shape, layout, rollout, learner.
 
 The mode is one field; every mode runs the same actuator (``actuator.py``), only the policy
 object from ``ray_xlong.scheduling`` changes (:func:`make_policy`)::
@@ -22,11 +22,11 @@ from ray_xlong.scheduling import (AsyncPolicy, ColocatedPolicy, ElasticPolicy, P
 from ray_xlong.trajectory import ProcessorConfig
 
 MODES = ("colocated", "async", "elastic", "colocated+streaming", "async+streaming")
-"""Valid ``XLongConfig.mode`` values."""
+"""Valid ``CellJobConfig.mode`` values."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class XLongConfig:
+class CellJobConfig:
     """A job on cells (each field validated at construction)."""
 
     mode: str
@@ -53,20 +53,20 @@ class XLongConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"XLongConfig.mode must be one of {MODES}, got {self.mode!r}")
+            raise ValueError(f"CellJobConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.slots_per_cell < 1:
-            raise ValueError(f"XLongConfig.slots_per_cell must be >= 1, "
+            raise ValueError(f"CellJobConfig.slots_per_cell must be >= 1, "
                              f"got {self.slots_per_cell!r}")
         if self.mode.startswith("async") and not 1 <= self.async_rollout_cells < self.layout.cells:
-            raise ValueError(f"XLongConfig.async_rollout_cells must be in [1, cells-1] = "
+            raise ValueError(f"CellJobConfig.async_rollout_cells must be in [1, cells-1] = "
                              f"[1, {self.layout.cells - 1}], got {self.async_rollout_cells!r}")
         if self.processor.pack == "none":
-            raise ValueError("XLongConfig.processor.pack must be 'tree' or 'per_trajectory'")
+            raise ValueError("CellJobConfig.processor.pack must be 'tree' or 'per_trajectory'")
         if not self.poll_s > 0:
-            raise ValueError(f"XLongConfig.poll_s must be > 0, got {self.poll_s!r}")
+            raise ValueError(f"CellJobConfig.poll_s must be > 0, got {self.poll_s!r}")
 
 
-def make_policy(config: XLongConfig) -> Policy:
+def make_policy(config: CellJobConfig) -> Policy:
     """The scheduling policy of ``config.mode`` (the same objects the simulator runs)."""
     r = config.async_rollout_cells
     return {

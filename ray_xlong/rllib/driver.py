@@ -16,12 +16,12 @@ import dataclasses
 
 from ray_xlong.rllib.actuator import RayActuator
 from ray_xlong.rllib.cells import CellPool, create_cells
-from ray_xlong.rllib.config import XLongConfig, make_policy
+from ray_xlong.rllib.config import CellJobConfig, make_policy
 from ray_xlong.rllib.env_runner import RolloutConfig
 from ray_xlong.rllib.metrics import RayResult, check_invariants
 
 
-def rollout_config(config: XLongConfig) -> RolloutConfig:
+def rollout_config(config: CellJobConfig) -> RolloutConfig:
     """What each cell's runner hosts: the job's oracle engine on the learner's model."""
     model_dir = config.learner.model_dir
     return RolloutConfig(model_dir=model_dir, harness=config.harness,
@@ -29,13 +29,13 @@ def rollout_config(config: XLongConfig) -> RolloutConfig:
                          engine_factory=config.work.engine_factory(model_dir))
 
 
-def start_cells(config: XLongConfig) -> CellPool:
+def start_cells(config: CellJobConfig) -> CellPool:
     """Create the cells of ``config.layout`` on the connected Ray cluster (once per process)."""
     return create_cells(config.layout, rollout=rollout_config(config), learner=config.learner,
                         tasks=config.work.tasks(), seed=config.work.seed)
 
 
-def run_job(config: XLongConfig, pool: CellPool) -> RayResult:
+def run_job(config: CellJobConfig, pool: CellPool) -> RayResult:
     """Run ``config``'s job in ``config.mode`` on ``pool`` (reset to version 0 first)."""
     return RayActuator(config, make_policy(config), pool).run()
 
@@ -55,7 +55,7 @@ def main() -> None:  # pragma: no cover - demo
     os.environ.setdefault("RAY_TMPDIR", tmp)
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False)
     model_dir = str(build_tiny_model_dir(os.path.join(tmp, "m"), seed=0))
-    config = XLongConfig(mode="elastic", job=SchedulingConfig(2, 2, 2, 1),
+    config = CellJobConfig(mode="elastic", job=SchedulingConfig(2, 2, 2, 1),
                          layout=CellLayout(cells=2, cpus_per_bundle=1.0),
                          learner=LearnerSettings(model_dir=model_dir), slots_per_cell=2)
     pool = start_cells(config)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ray_xlong.rllib.cells import CellLayout, LayoutError, check_layout
-from ray_xlong.rllib.config import MODES, XLongConfig, make_policy
+from ray_xlong.rllib.config import MODES, CellJobConfig, make_policy
 from ray_xlong.rllib.learner import LearnerSettings
 from ray_xlong.scheduling import SchedulingConfig
 
@@ -56,11 +56,11 @@ def test_bad_layout_fields(kwargs, match):
 def config(**kw):
     base = dict(mode="elastic", job=SchedulingConfig(2, 2, 2, 1), layout=CellLayout(cells=3),
                 learner=LearnerSettings(model_dir="/nonexistent"))
-    return XLongConfig(**{**base, **kw})
+    return CellJobConfig(**{**base, **kw})
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    pytest.param(dict(mode="fast"), "XLongConfig.mode", id="mode"),
+    pytest.param(dict(mode="fast"), "CellJobConfig.mode", id="mode"),
     pytest.param(dict(mode="async", async_rollout_cells=3), "async_rollout_cells", id="pools"),
     pytest.param(dict(slots_per_cell=0), "slots_per_cell", id="slots"),
 ])

@@ -13,7 +13,7 @@ import pytest
 
 from ray_xlong.models import build_tiny_model_dir
 from ray_xlong.rllib.cells import CellLayout, LayoutError, create_cells
-from ray_xlong.rllib.config import XLongConfig
+from ray_xlong.rllib.config import CellJobConfig
 from ray_xlong.rllib.driver import rollout_config, run_job, start_cells
 from ray_xlong.rllib.learner import LearnerSettings
 from ray_xlong.rllib.long_horizon_job import LongHorizonJob
@@ -42,7 +42,7 @@ def cluster(tmp_path_factory):
     ray.init(address=c.address, include_dashboard=False)
     c.wait_for_nodes()
     model_dir = str(build_tiny_model_dir(tmp_path_factory.mktemp("mn") / "m", seed=0))
-    config = XLongConfig(
+    config = CellJobConfig(
         mode="elastic", job=JOB,
         layout=CellLayout(cells=4, nodes_per_cell=2, gpus_per_node=1, cpus_per_bundle=1.0),
         learner=LearnerSettings(model_dir=model_dir, lr=1e-4), slots_per_cell=2,
