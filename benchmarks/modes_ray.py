@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         for mode, (real, sim) in logs.items():
             plot_timelines({f"{mode} (ray)": real, f"{mode} (sim)": sim},
                            str(args.plot_dir / f"modes_ray_{mode}.png"),
-                           title=f"{mode}: Ray cells vs simulator (seconds)")
+                           title=f"{mode}: Ray cells vs simulator", time_unit="seconds")
     return out
 
 

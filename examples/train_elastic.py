@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                        runs_per_group=args.runs_per_group, warm=warm, on_step=on_step)
     bar.close()
     plot_timelines({f"{run.mode} ({run.engine})": run.events}, str(out / "timeline.png"),
-                   title="cells by role (rollout / draining / training / syncing)")
+                   title="cells by role (rollout / draining / training / syncing)",
+                   time_unit="seconds")
     summary = summarize(run, total_s=time.perf_counter() - start)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "steps.md").write_text("\n".join([HEADER, *rows]) + "\n")

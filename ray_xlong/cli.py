@@ -150,7 +150,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                        workdir=args.workdir, groups=args.groups,
                        runs_per_group=args.runs_per_group,
                        on_step=lambda r: print(row(r), flush=True))
-    plot_timelines({f"{run.mode} ({run.engine})": run.events}, str(out / "timeline.png"))
+    plot_timelines({f"{run.mode} ({run.engine})": run.events}, str(out / "timeline.png"),
+                   time_unit="seconds")
     print(f"reward {run.rewards[0]:.3f} -> {run.rewards[-1]:.3f}; cells up {run.startup_s:.0f}"
           f" s, training {run.train_s:.0f} s; wrote {out / 'timeline.png'}")
     return 0

@@ -49,13 +49,15 @@ def spans(events: Sequence[Event]) -> list[Span]:
     return [s for s in out if s.end > s.start]
 
 
-def plot_timelines(logs: Mapping[str, Sequence[Event]], path: str, *, title: str = "") -> None:
+def plot_timelines(logs: Mapping[str, Sequence[Event]], path: str, *, title: str = "",
+                   time_unit: str = "hours") -> None:
     """Draw one Gantt panel per mode into ``path`` (PNG).
 
     Args:
         logs: mode name -> event log.
         path: output file.
         title: figure title.
+        time_unit: label of the time axis (the simulator logs hours; the Ray driver seconds).
     """
     import matplotlib
 
@@ -75,7 +77,7 @@ def plot_timelines(logs: Mapping[str, Sequence[Event]], path: str, *, title: str
                 ax.axvline(e.time, color="black", lw=0.3, alpha=0.4)
         ax.set_ylabel(f"{mode}\ncell")
         ax.invert_yaxis()
-    axes[-1, 0].set_xlabel("hours")
+    axes[-1, 0].set_xlabel(time_unit)
     handles = [Patch(color=c, label=r) for r, c in COLORS.items()]
     axes[0, 0].legend(handles=handles, ncol=4, loc="upper right", fontsize=8)
     fig.suptitle(title)
