@@ -100,24 +100,70 @@ def tree_plan(kv_end: torch.Tensor, valid: torch.Tensor, *, chunk: int = 256) ->
     return TreePlan(tuple(rows), tuple(int(n) for n in lengths))
 
 
-def _segment_attention(query, key, value, seg: TreeSegment, scaling, dropout):
-    q = query[seg.row:seg.row + 1, :, seg.start:seg.stop]
+def _segment_kv(key, value, seg: TreeSegment):
+    """The segment's keys and values: a slice when they form one range, else a gather."""
     first, n_keys = int(seg.keys[0]), int(seg.keys.numel())
-    if int(seg.keys[-1]) - first + 1 == n_keys:           # a contiguous range: slice, no copy
-        k = key[seg.row:seg.row + 1, :, first:first + n_keys]
-        v = value[seg.row:seg.row + 1, :, first:first + n_keys]
-    else:
-        k = key[seg.row:seg.row + 1].index_select(2, seg.keys)
-        v = value[seg.row:seg.row + 1].index_select(2, seg.keys)
-    gqa = key.shape[1] != q.shape[1]
+    if int(seg.keys[-1]) - first + 1 == n_keys:
+        return (key[seg.row:seg.row + 1, :, first:first + n_keys],
+                value[seg.row:seg.row + 1, :, first:first + n_keys])
+    return (key[seg.row:seg.row + 1].index_select(2, seg.keys),
+            value[seg.row:seg.row + 1].index_select(2, seg.keys))
+
+
+def _segment_attention(q, k, v, seg: TreeSegment, scaling, dropout, gqa: bool):
+    """SDPA of one segment's queries ``q`` over its keys: prefix in full, itself causally."""
     m, n_prefix = seg.stop - seg.start, seg.num_prefix
     if n_prefix == 0:                                     # plain causal: the flash kernel
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
                                               scale=scaling, enable_gqa=gqa)
-    own = torch.ones(m, m, dtype=torch.bool, device=query.device).tril()
-    mask = torch.cat([torch.ones(m, n_prefix, dtype=torch.bool, device=query.device), own], 1)
+    own = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+    mask = torch.cat([torch.ones(m, n_prefix, dtype=torch.bool, device=q.device), own], 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                           scale=scaling, enable_gqa=gqa)
+
+
+class _TreeAttention(torch.autograd.Function):
+    """Segment-wise attention with hand-accumulated gradients.
+
+    Autograd through per-segment slices would zero-fill a full-size gradient for every slice
+    (O(segments × L) memory traffic per layer). Here the forward runs without a graph and the
+    backward recomputes each segment's attention and adds its gradients into one buffer per
+    input (the recompute costs one extra attention forward).
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, plan: TreePlan, scaling, gqa: bool):
+        out = query.new_zeros(*query.shape[:3], value.shape[-1])
+        for segments in plan.rows:
+            for seg in segments:
+                k, v = _segment_kv(key, value, seg)
+                q = query[seg.row:seg.row + 1, :, seg.start:seg.stop]
+                out[seg.row:seg.row + 1, :, seg.start:seg.stop] = _segment_attention(
+                    q, k, v, seg, scaling, 0.0, gqa)
+        ctx.save_for_backward(query, key, value)
+        ctx.plan, ctx.scaling, ctx.gqa = plan, scaling, gqa
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value = ctx.saved_tensors
+        gq, gk, gv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        for segments in ctx.plan.rows:
+            for seg in segments:
+                rows, cols = slice(seg.row, seg.row + 1), slice(seg.start, seg.stop)
+                with torch.enable_grad():
+                    q = query[rows, :, cols].detach().requires_grad_()
+                    k, v = (t.detach().requires_grad_() for t in _segment_kv(key, value, seg))
+                    out = _segment_attention(q, k, v, seg, ctx.scaling, 0.0, ctx.gqa)
+                    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out[rows, :, cols])
+                gq[rows, :, cols] += dq
+                for grad, part in ((gk, dk), (gv, dv)):
+                    first, n_keys = int(seg.keys[0]), int(seg.keys.numel())
+                    if int(seg.keys[-1]) - first + 1 == n_keys:
+                        grad[rows, :, first:first + n_keys] += part
+                    else:
+                        grad[rows].index_add_(2, seg.keys, part)
+        return gq, gk, gv, None, None, None
 
 
 def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -126,7 +172,7 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                            **kwargs):
     """HF attention-interface function (``query [B, H, L, D]``, ``key/value [B, Hkv, L, D]``).
 
-    Returns ``(output [B, L, H, D], None)`` like HF's implementations.
+    Returns ``(output [B, L, H, D], None)`` like HF's implementations. Padding queries get zeros.
     """
     if tree_plan is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -134,9 +180,17 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     dropout = dropout if module.training else 0.0
-    rows = []
+    gqa = key.shape[1] != query.shape[1]
+    if dropout == 0.0:
+        out = _TreeAttention.apply(query, key, value, tree_plan, scaling, gqa)
+        return out.transpose(1, 2).contiguous(), None
+    rows = []                                   # dropout: plain autograd (no recompute)
     for segments, n in zip(tree_plan.rows, tree_plan.valid_lengths):
-        parts = [_segment_attention(query, key, value, s, scaling, dropout) for s in segments]
+        parts = []
+        for seg in segments:
+            k, v = _segment_kv(key, value, seg)
+            q = query[seg.row:seg.row + 1, :, seg.start:seg.stop]
+            parts.append(_segment_attention(q, k, v, seg, scaling, dropout, gqa))
         pad = query.new_zeros(1, query.shape[1], query.shape[2] - n, value.shape[-1])
         rows.append(torch.cat(parts + [pad], dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
