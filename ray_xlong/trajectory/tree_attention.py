@@ -64,6 +64,20 @@ class TreePlan:
     """Each row's segments, left to right (covering its real tokens once)."""
     valid_lengths: tuple[int, ...]
     """Real tokens per row (padding follows)."""
+    masks: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """Cache of additive masks by (segment, dtype): built once, reused by every layer and by
+    the backward recompute."""
+
+    def mask(self, seg: TreeSegment, dtype: torch.dtype) -> torch.Tensor:
+        """``[m, n_prefix + m]`` additive mask: 0 on the prefix, causal on the segment."""
+        key = (seg.row, seg.start, dtype)
+        if key not in self.masks:
+            m, n_prefix = seg.stop - seg.start, seg.num_prefix
+            mask = torch.zeros(m, n_prefix + m, dtype=dtype, device=seg.keys.device)
+            own = torch.ones(m, m, dtype=torch.bool, device=seg.keys.device).triu(1)
+            mask[:, n_prefix:].masked_fill_(own, float("-inf"))
+            self.masks[key] = mask
+        return self.masks[key]
 
     @property
     def work(self) -> int:
@@ -110,16 +124,14 @@ def _segment_kv(key, value, seg: TreeSegment):
             value[seg.row:seg.row + 1].index_select(2, seg.keys))
 
 
-def _segment_attention(q, k, v, seg: TreeSegment, scaling, dropout, gqa: bool):
+def _segment_attention(q, k, v, seg: TreeSegment, plan: TreePlan, scaling, dropout,
+                       gqa: bool):
     """SDPA of one segment's queries ``q`` over its keys: prefix in full, itself causally."""
-    m, n_prefix = seg.stop - seg.start, seg.num_prefix
-    if n_prefix == 0:                                     # plain causal: the flash kernel
+    if seg.num_prefix == 0:                               # plain causal: no mask at all
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
                                               scale=scaling, enable_gqa=gqa)
-    own = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
-    mask = torch.cat([torch.ones(m, n_prefix, dtype=torch.bool, device=q.device), own], 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                          scale=scaling, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask(seg, q.dtype),
+                                          dropout_p=dropout, scale=scaling, enable_gqa=gqa)
 
 
 class _TreeAttention(torch.autograd.Function):
@@ -139,7 +151,7 @@ class _TreeAttention(torch.autograd.Function):
                 k, v = _segment_kv(key, value, seg)
                 q = query[seg.row:seg.row + 1, :, seg.start:seg.stop]
                 out[seg.row:seg.row + 1, :, seg.start:seg.stop] = _segment_attention(
-                    q, k, v, seg, scaling, 0.0, gqa)
+                    q, k, v, seg, plan, scaling, 0.0, gqa)
         ctx.save_for_backward(query, key, value)
         ctx.plan, ctx.scaling, ctx.gqa = plan, scaling, gqa
         return out
@@ -154,7 +166,7 @@ class _TreeAttention(torch.autograd.Function):
                 with torch.enable_grad():
                     q = query[rows, :, cols].detach().requires_grad_()
                     k, v = (t.detach().requires_grad_() for t in _segment_kv(key, value, seg))
-                    out = _segment_attention(q, k, v, seg, ctx.scaling, 0.0, ctx.gqa)
+                    out = _segment_attention(q, k, v, seg, ctx.plan, ctx.scaling, 0.0, ctx.gqa)
                     dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out[rows, :, cols])
                 gq[rows, :, cols] += dq
                 for grad, part in ((gk, dk), (gv, dv)):
@@ -190,7 +202,7 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         for seg in segments:
             k, v = _segment_kv(key, value, seg)
             q = query[seg.row:seg.row + 1, :, seg.start:seg.stop]
-            parts.append(_segment_attention(q, k, v, seg, scaling, dropout, gqa))
+            parts.append(_segment_attention(q, k, v, seg, tree_plan, scaling, dropout, gqa))
         pad = query.new_zeros(1, query.shape[1], query.shape[2] - n, value.shape[-1])
         rows.append(torch.cat(parts + [pad], dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
