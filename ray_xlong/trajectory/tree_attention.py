@@ -65,8 +65,7 @@ class TreePlan:
     valid_lengths: tuple[int, ...]
     """Real tokens per row (padding follows)."""
     masks: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    """Cache of additive masks by (segment, dtype): built once, reused by every layer and by
-    the backward recompute."""
+    """Cache of additive masks by (segment, dtype): built once, reused by every layer."""
 
     def mask(self, seg: TreeSegment, dtype: torch.dtype) -> torch.Tensor:
         """``[m, n_prefix + m]`` additive mask: 0 on the prefix, causal on the segment."""
@@ -134,50 +133,6 @@ def _segment_attention(q, k, v, seg: TreeSegment, plan: TreePlan, scaling, dropo
                                           dropout_p=dropout, scale=scaling, enable_gqa=gqa)
 
 
-class _TreeAttention(torch.autograd.Function):
-    """Segment-wise attention with hand-accumulated gradients.
-
-    Autograd through per-segment slices would zero-fill a full-size gradient for every slice
-    (O(segments × L) memory traffic per layer). Here the forward runs without a graph and the
-    backward recomputes each segment's attention and adds its gradients into one buffer per
-    input (the recompute costs one extra attention forward).
-    """
-
-    @staticmethod
-    def forward(ctx, query, key, value, plan: TreePlan, scaling, gqa: bool):
-        out = query.new_zeros(*query.shape[:3], value.shape[-1])
-        for segments in plan.rows:
-            for seg in segments:
-                k, v = _segment_kv(key, value, seg)
-                q = query[seg.row:seg.row + 1, :, seg.start:seg.stop]
-                out[seg.row:seg.row + 1, :, seg.start:seg.stop] = _segment_attention(
-                    q, k, v, seg, plan, scaling, 0.0, gqa)
-        ctx.save_for_backward(query, key, value)
-        ctx.plan, ctx.scaling, ctx.gqa = plan, scaling, gqa
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value = ctx.saved_tensors
-        gq, gk, gv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
-        for segments in ctx.plan.rows:
-            for seg in segments:
-                rows, cols = slice(seg.row, seg.row + 1), slice(seg.start, seg.stop)
-                with torch.enable_grad():
-                    q = query[rows, :, cols].detach().requires_grad_()
-                    k, v = (t.detach().requires_grad_() for t in _segment_kv(key, value, seg))
-                    out = _segment_attention(q, k, v, seg, ctx.plan, ctx.scaling, 0.0, ctx.gqa)
-                    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out[rows, :, cols])
-                gq[rows, :, cols] += dq
-                for grad, part in ((gk, dk), (gv, dv)):
-                    first, n_keys = int(seg.keys[0]), int(seg.keys.numel())
-                    if int(seg.keys[-1]) - first + 1 == n_keys:
-                        grad[rows, :, first:first + n_keys] += part
-                    else:
-                        grad[rows].index_add_(2, seg.keys, part)
-        return gq, gk, gv, None, None, None
-
-
 def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                            value: torch.Tensor, attention_mask, dropout: float = 0.0,
                            scaling: float | None = None, tree_plan: TreePlan | None = None,
@@ -193,10 +148,7 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                                       dropout=dropout, scaling=scaling, **kwargs)
     dropout = dropout if module.training else 0.0
     gqa = key.shape[1] != query.shape[1]
-    if dropout == 0.0:
-        out = _TreeAttention.apply(query, key, value, tree_plan, scaling, gqa)
-        return out.transpose(1, 2).contiguous(), None
-    rows = []                                   # dropout: plain autograd (no recompute)
+    rows = []
     for segments, n in zip(tree_plan.rows, tree_plan.valid_lengths):
         parts = []
         for seg in segments:

@@ -46,30 +46,3 @@ def test_work_never_exceeds_per_trajectory_work():
     per_traj = sum(n * (n + 1) // 2 for n in flat.packed.valid.sum(dim=1).tolist())
     assert tree_plan(tree.packed.attention_mask, tree.packed.valid, chunk=1).work <= per_traj
 
-
-def test_hand_written_backward_matches_autograd():
-    """The custom backward (recompute + accumulate) equals plain autograd through the slices
-    (taken when dropout > 0; a dropout of 1e-300 drops nothing)."""
-    from types import SimpleNamespace
-
-    from ray_xlong.trajectory.tree_attention import tree_attention_forward
-
-    batch = TrajectoryProcessor(ProcessorConfig(pack="tree", row_tokens=200)).process(
-        synthetic_runs(6, groups=2, runs_per_group=2, config=SyntheticConfig.small())).packed
-    plan = tree_plan(batch.attention_mask, batch.valid, chunk=3)
-    rows, length = batch.input_ids.shape
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(rows, h, length, 8, generator=gen, dtype=torch.float64,
-                           requires_grad=True) for h in (4, 2, 2))
-    weight = torch.randn(rows, length, 4, 8, generator=gen, dtype=torch.float64)
-    results = []
-    for dropout in (0.0, 1e-300):
-        module = SimpleNamespace(training=True)
-        out, _ = tree_attention_forward(module, q, k, v, None, dropout=dropout, scaling=0.3,
-                                        tree_plan=plan)
-        grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
-        results.append((out.detach(), grads))
-    (out_a, grads_a), (out_b, grads_b) = results
-    assert torch.allclose(out_a, out_b, rtol=0, atol=1e-12)
-    for ga, gb in zip(grads_a, grads_b):
-        assert torch.allclose(ga, gb, rtol=0, atol=1e-12)
