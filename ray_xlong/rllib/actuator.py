@@ -36,7 +36,7 @@ import ray
 
 from ray_xlong.rllib.cells import CellPool
 from ray_xlong.rllib.config import CellJobConfig
-from ray_xlong.rllib.learner_group import ElasticLearnerGroup, MicroBatch, chunk
+from ray_xlong.rllib.learner_group import ElasticLearnerGroup, MicroBatch, chunk_with_stats
 from ray_xlong.rllib.metrics import RayResult
 from ray_xlong.scheduling import (CellMachine, Drain, Event, JoinStep, Policy, Reserve, Role,
                                   StartRuns, StartTraining, Sync)
@@ -190,10 +190,11 @@ class RayActuator:
         groups = self.m.take_groups()
         if groups:
             runs = [run for g in groups for run in self.ended.pop(g)]
-            micro = chunk(runs, processor=self.cfg.processor,
-                          max_tokens=self.cfg.learner.micro_batch_tokens)
+            micro, stats = chunk_with_stats(runs, processor=self.cfg.processor,
+                                            max_tokens=self.cfg.learner.micro_batch_tokens)
             self.queue.extend((mb, i == 0) for i, mb in enumerate(micro))
             self.trained.setdefault(self.m.step, []).extend(r.run_id for r in runs)
+            self._on_taken(micro, stats)
         if self.m.step < 0:
             return
         self._dispatch()
@@ -212,11 +213,21 @@ class RayActuator:
             micro, first = self.queue.popleft()
             versions = micro.tensors["policy_versions"]
             if versions.numel():
-                self.token_staleness = max(self.token_staleness,
-                                           self.m.step - int(versions.min()))
+                self._on_staleness(self.m.step + self.version_offset - int(versions.min()))
             ref = self.group.submit(cell, micro, new_chunk=first)
             self.in_flight[cell] = self.now()
             self.pending[ref] = ("micro", cell, self.now())
+
+    # Hooks for subclasses (``stepping.SteppingActuator``): the scheduler's step s trains
+    # policy version ``s + version_offset``.
+    version_offset = 0
+
+    def _on_taken(self, micro: list, stats) -> None:
+        """The current step took runs: their micro-batches and processor stats."""
+
+    def _on_staleness(self, stale: int) -> None:
+        """A micro-batch of the current step holds tokens ``stale`` versions old."""
+        self.token_staleness = max(self.token_staleness, stale)
 
     def _finish_step(self) -> None:
         t = time.perf_counter()

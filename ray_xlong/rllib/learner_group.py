@@ -28,7 +28,7 @@ import ray
 import torch
 
 from ray_xlong.rllib.connector import batch_from_packed
-from ray_xlong.trajectory import AgentRun, ProcessorConfig, TrajectoryProcessor
+from ray_xlong.trajectory import AgentRun, BatchStats, ProcessorConfig, TrajectoryProcessor
 from ray_xlong.trajectory.packing import micro_batches
 
 
@@ -54,7 +54,13 @@ def chunk_normalizer(num_targets: int, num_runs: int, loss_norm: str) -> float:
 
 def chunk(runs: Sequence[AgentRun], *, processor: ProcessorConfig,
           max_tokens: int) -> list[MicroBatch]:
-    """Process the runs of whole groups into micro-batches.
+    """:func:`chunk_with_stats` without the processor statistics."""
+    return chunk_with_stats(runs, processor=processor, max_tokens=max_tokens)[0]
+
+
+def chunk_with_stats(runs: Sequence[AgentRun], *, processor: ProcessorConfig,
+                     max_tokens: int) -> tuple[list[MicroBatch], BatchStats]:
+    """Process the runs of whole groups into micro-batches (one processor pass).
 
     Args:
         runs: ended runs of complete groups (advantages are per group).
@@ -62,10 +68,11 @@ def chunk(runs: Sequence[AgentRun], *, processor: ProcessorConfig,
         max_tokens: micro-batch token budget.
 
     Returns:
-        Micro-batches in order with un-normalised losses (``loss_scale`` × the chunk's
-        normalizer, their ``weight``), so ``Σ loss_i / Σ_chunks weight`` is the loss of all
-        chunks processed as one. With ``loss_norm="token"`` every un-normalised scale is
-        exactly 1 (rounded back from float32), so chunking adds no rounding at all.
+        ``(micro-batches, stats)``: micro-batches in order with un-normalised losses
+        (``loss_scale`` × the chunk's normalizer, their ``weight``), so ``Σ loss_i / Σ_chunks
+        weight`` is the loss of all chunks processed as one (with ``loss_norm="token"`` every
+        un-normalised scale is exactly 1, so chunking adds no rounding), and the processor's
+        :class:`BatchStats` of the runs.
     """
     batch = TrajectoryProcessor(processor).process(list(runs))
     packed = batch.packed
@@ -81,7 +88,7 @@ def chunk(runs: Sequence[AgentRun], *, processor: ProcessorConfig,
             scale = scale.round()
         tensors["loss_scale"] = scale.to(tensors["loss_scale"].dtype)
         out.append(MicroBatch(tensors, weight, m.num_targets, ids))
-    return out
+    return out, batch.stats
 
 
 class ElasticLearnerGroup:

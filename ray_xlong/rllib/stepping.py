@@ -25,9 +25,8 @@ import numpy as np
 import ray
 
 from ray_xlong.rllib.actuator import RayActuator
-from ray_xlong.rllib.learner_group import ElasticLearnerGroup, chunk
+from ray_xlong.rllib.learner_group import ElasticLearnerGroup
 from ray_xlong.scheduling import Role
-from ray_xlong.trajectory import TrajectoryProcessor
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,48 +117,22 @@ class SteppingActuator(RayActuator):
             self.rewards[res.run.run_id] = float(res.run.reward)
         super()._on_ended(cell, results, issued)
 
-    def train(self) -> None:
-        """``RayActuator.train`` plus the step's processor statistics."""
-        groups = self.m.take_groups()
-        if groups:
-            runs = [run for g in groups for run in self.ended.pop(g)]
-            micro = chunk(runs, processor=self.cfg.processor,
-                          max_tokens=self.cfg.learner.micro_batch_tokens)
-            self.queue.extend((mb, i == 0) for i, mb in enumerate(micro))
-            self.trained.setdefault(self.m.step, []).extend(r.run_id for r in runs)
-            stats = TrajectoryProcessor(dataclasses.replace(self.cfg.processor, pack="none")
-                                        ).process(runs).stats
-            self.per_step[self.m.step].update(
-                tokens_trained=sum(mb.targets for mb in micro),
-                unique_tokens=stats.unique_tokens, total_tokens=stats.total_tokens,
-                trajectories_kept=stats.trajectories_kept,
-                trajectories_dropped=stats.trajectories_dropped)
-        if self.m.step < 0:
-            return
-        self._dispatch()
-        if self.queue or self.in_flight:
-            self.m.set_starved(False, self.now())
-        elif self.m.step_groups == self.cfg.job.batch_groups:
-            self._finish_step()
-        else:
-            self.m.set_starved(True, self.now())
+    @property
+    def version_offset(self) -> int:
+        """Scheduler step 0 is policy version ``offset`` (the algorithm's restored version)."""
+        return self.offset
 
-    def _dispatch(self) -> None:
-        """``RayActuator._dispatch`` with staleness against the real version."""
-        members = [c for c in self.group.members if c in self.awake and c not in self.in_flight]
-        for cell in members:
-            if not self.queue:
-                return
-            micro, first = self.queue.popleft()
-            versions = micro.tensors["policy_versions"]
-            if versions.numel():
-                stale = self.m.step + self.offset - int(versions.min())
-                self.token_staleness = max(self.token_staleness, stale)
-                worst = self.per_step[self.m.step]
-                worst["staleness_max"] = max(worst["staleness_max"], stale)
-            ref = self.group.submit(cell, micro, new_chunk=first)
-            self.in_flight[cell] = self.now()
-            self.pending[ref] = ("micro", cell, self.now())
+    def _on_taken(self, micro: list, stats) -> None:
+        self.per_step[self.m.step].update(
+            tokens_trained=sum(mb.targets for mb in micro),
+            unique_tokens=stats.unique_tokens, total_tokens=stats.total_tokens,
+            trajectories_kept=stats.trajectories_kept,
+            trajectories_dropped=stats.trajectories_dropped)
+
+    def _on_staleness(self, stale: int) -> None:
+        super()._on_staleness(stale)
+        worst = self.per_step[self.m.step]
+        worst["staleness_max"] = max(worst["staleness_max"], stale)
 
     def _report(self, step: int, step_s: float) -> StepReport:
         run_ids = self.trained.get(step, [])
