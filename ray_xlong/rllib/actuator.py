@@ -22,27 +22,56 @@ simulator logs the end of its switch / sync delay.
 
 Invariants: every move passes the CellMachine first; a runner is suspended only after its runs
 ended (the machine refuses otherwise, and the runner itself raises); every ended run is put in
-exactly one chunk; an actor that dies raises :class:`CellActorDied` naming the cell (no silent
-loss; recovery is not implemented).
+exactly one chunk.
+
+Faults (DESIGN.md 9, 10; ``benchmarks/faults.py``). A ref that fails because an actor died starts
+:meth:`RayActuator._recover` for its cell:
+
+* **runner lost** — a new runner in the cell's placement group on the current weights; runs that
+  ended but were not delivered come from the spool (``spool.py``); the cell's live runs start
+  again on it (``run_restarted``); its role (draining / asleep / syncing) is re-established.
+* **learner lost** — a new learner; the micro-batches the dead one trained this step go back to
+  the queue (``ElasticLearnerGroup.replace``), so the step's update is the same; a step member
+  joins again on the step's weights.
+* **node lost** — the cell's placement group lost its node: the cell is retired (its live runs
+  restart on other cells, the scheduler goes on with fewer cells) and rebuilt once Ray re-places
+  the group (resources returned).
+* **driver lost** — with ``checkpoint_dir`` the driver saves the learner state (weights, Adam,
+  version), the cell machine (ledger, event log), ended-but-untrained runs and trained-run ids at
+  step boundaries; ``run(resume_from=...)`` in a new driver continues from it, taking runs that
+  ended after the checkpoint from the spool and restarting the rest.
+
+An actor error that is not a death, or a death with no recovery (the last cell), raises
+:class:`CellActorDied` naming the cell.
 """
 
 from __future__ import annotations
 
 import collections
+import os
+import pathlib
 import time
 from typing import Any
 
 import ray
+import torch
 
 from ray_xlong.rllib.cells import CellPool
 from ray_xlong.rllib.config import CellJobConfig
-from ray_xlong.rllib.learner_group import ElasticLearnerGroup, MicroBatch, chunk_with_stats
+from ray_xlong.rllib.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
+                                           actor_lost, chunk_with_stats)
 from ray_xlong.rllib.metrics import RayResult
+from ray_xlong.rllib.spool import RunSpool
 from ray_xlong.scheduling import (CellMachine, Drain, Event, JoinStep, Policy, Reserve, Role,
                                   StartRuns, StartTraining, Sync)
+from ray_xlong.trajectory.recording import read_runs, write_runs
 
 INF = float("inf")
 MAX_ROUNDS = 16
+CHECKPOINT = "driver_checkpoint.pt"
+"""File name of the driver checkpoint inside ``CellJobConfig.checkpoint_dir``."""
+RUNNER_KINDS = ("ended", "sync", "switch")   # pending kinds a runner death invalidates
+LEARNER_KINDS = ("micro", "switch", "sync")  # pending kinds a learner death invalidates
 
 
 class CellActorDied(RuntimeError):
@@ -69,20 +98,39 @@ class RayActuator:
         self.trained: dict[int, list[str]] = {}  # step -> run ids it trained
         self.token_staleness = 0
         self.t0 = time.monotonic()
+        self.spool = RunSpool(config.spool_dir) if config.spool_dir else None
+        self.unsaved: set[str] = set()  # delivered run ids not yet in a checkpoint
+        self.faults: list[dict[str, Any]] = []  # one record per recovery
+        self.retired: set[int] = set()
+        self.resumed_at: float | None = None
+        """Unix time a resume from a checkpoint finished (None: not resumed)."""
+        self.injector: Any = None
+        """Optional ``tick(actuator)`` called once per loop (``faults.FaultInjector``)."""
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
     # -- the loop ----------------------------------------------------------------------------
-    def run(self) -> RayResult:
-        """Run the job to its last step; returns the event log and measurements."""
-        self._reset_cells()
-        self.t0 = time.monotonic()
-        for c in range(len(self.cells)):
-            self._watch_runs(c)
+    def run(self, *, resume_from: str | os.PathLike | None = None) -> RayResult:
+        """Run the job to its last step; returns the event log and measurements.
+
+        Args:
+            resume_from: a driver checkpoint (``CellJobConfig.checkpoint_dir`` / CHECKPOINT)
+                written by an earlier driver of this job: continue from it.
+        """
+        if resume_from is not None:
+            self._resume(resume_from)
+        else:
+            self._reset_cells()
+            self.t0 = time.monotonic()
+            for c in range(len(self.cells)):
+                self._watch_runs(c)
         self.act()
         while not self.m.done:
+            if self.injector is not None:
+                self.injector.tick(self)
             self.poll()
+            self._check_retired()
             self.train()
             self.act()
         return self.result()
@@ -108,18 +156,29 @@ class RayActuator:
         if ready:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         for ref in ready:
+            if ref not in self.pending:  # dropped by a recovery earlier in this loop
+                continue
             kind, cell, issued = self.pending.pop(ref)
             try:
                 value = ray.get(ref)
-            except ray.exceptions.RayActorError as exc:
-                raise CellActorDied(f"cell {cell}: actor died during {kind}: {exc}") from exc
+            except ray.exceptions.RayError as exc:
+                if not actor_lost(exc):
+                    raise CellActorDied(f"cell {cell}: {kind} failed: {exc}") from exc
+                self._recover(cell, f"{kind} failed")
+                continue
             getattr(self, f"_on_{kind}")(cell, value, issued)
 
     def _on_ended(self, cell: int, results: list, issued: float) -> None:
         for res in results:
             run = int(res.run.run_id[1:])
+            if run not in self.m.live[cell]:  # delivered already (from the spool)
+                continue
             self.m.run_ended(cell, run, self.now())
             self.ended[run // self.cfg.job.runs_per_group].append(res.run)
+            self.unsaved.add(res.run.run_id)
+        if self.spool is not None and not self.cfg.checkpoint_dir:
+            self.spool.discard(self.unsaved)
+            self.unsaved.clear()
         self._watch_runs(cell)
 
     def _on_switch(self, cell: int, value: Any, issued: float) -> None:
@@ -230,15 +289,273 @@ class RayActuator:
         self.token_staleness = max(self.token_staleness, stale)
 
     def _finish_step(self) -> None:
+        if not self.group.members:  # every member was lost; wait for one to (re)join
+            return
         t = time.perf_counter()
-        self.stats["step_members"].append(len(self.group.members))
-        self.group.finish()
+        members = len(self.group.members)
+        try:
+            lost_after = self.group.finish()
+        except StepIncomplete as inc:
+            self.queue.extendleft((mb, False) for mb in reversed(inc.redo))
+            for cell in inc.lost:
+                self._recover(cell, "lost during the step's reduce")
+            return
+        self.stats["step_members"].append(members)
         weights, version = self.group.weights_ref, self.group.version
-        pushes = [self.cells[c].runner.set_weights.remote(weights, version)
-                  for c, role in enumerate(self.m.role) if role is not Role.TRAINING]
-        ray.get(pushes)
+        pushes = {c: self.cells[c].runner.set_weights.remote(weights, version)
+                  for c, role in enumerate(self.m.role)
+                  if role is not Role.TRAINING and c not in self.retired}
+        for cell in lost_after:
+            self._recover(cell, "lost after the step's update")
+        for cell, ref in pushes.items():
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                if not actor_lost(exc):
+                    raise
+                self._recover(cell, "lost during the weight push")  # rebuilt on new weights
         self.stats["step_finish_s"].append(time.perf_counter() - t)
         self.m.end_step(self.now())
+        every = self.cfg.checkpoint_every
+        if self.cfg.checkpoint_dir and (self.m.version % every == 0 or self.m.done):
+            self.save_checkpoint()
+
+    # -- faults ----------------------------------------------------------------------------------
+    def _alive(self, actor: Any) -> bool:
+        """False once Ray reports ``actor`` dead (a busy actor counts as alive)."""
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=2.0)
+            return True
+        except ray.exceptions.GetTimeoutError:
+            return True
+        except ray.exceptions.RayError as exc:
+            if actor_lost(exc):
+                return False
+            raise
+
+    def _drop_pending(self, cell: int, kinds: tuple[str, ...]) -> set[str]:
+        """Forget pending refs of ``cell`` of these kinds; returns the kinds dropped."""
+        drop = [r for r, (k, c, _) in self.pending.items() if c == cell and k in kinds]
+        return {self.pending.pop(r)[0] for r in drop}
+
+    def _recover(self, cell: int, why: str) -> None:
+        """An actor of ``cell`` died (module docstring): rebuild in place, or retire the cell
+        when its placement group lost its node."""
+        if cell in self.retired:
+            return
+        t0, now = time.perf_counter(), self.now()
+        c = self.cells[cell]
+        runner_dead = not self._alive(c.runner)
+        learner_dead = not self._alive(c.learner)
+        if not (runner_dead or learner_dead):
+            # The failure came through a dependency (e.g. a switch whose suspend failed)
+            # and Ray has not marked the actor yet: look again once.
+            time.sleep(1.0)
+            runner_dead, learner_dead = not self._alive(c.runner), not self._alive(c.learner)
+            if not (runner_dead or learner_dead):
+                raise CellActorDied(f"cell {cell}: {why}, but both actors are alive")
+        if not self.pool.placed(cell):
+            self._retire(cell, why, t0)
+            return
+        what = "both" if runner_dead and learner_dead else "runner" if runner_dead else "learner"
+        self.m.cell_lost(cell, what, now)
+        dropped = set()
+        if runner_dead:
+            dropped |= self._drop_pending(cell, RUNNER_KINDS)
+        if learner_dead:
+            dropped |= self._drop_pending(cell, LEARNER_KINDS)
+        record = {"kind": what, "cell": cell, "why": why, "t": now, "runs_rerun": 0,
+                  "runs_from_spool": 0, "micro_batches_redone": 0}
+        try:
+            if learner_dead:
+                self._replace_learner(cell, record)
+            if runner_dead:
+                self._replace_runner(cell, record)
+            self._restore_role(cell, dropped, runner_dead, learner_dead)
+        except TimeoutError:  # the group lost its node while we rebuilt: retire instead
+            self._retire(cell, why, t0)
+            return
+        self.m.log.append(Event(self.now(), "cell_rebuilt", cell=cell))
+        record["recover_s"] = time.perf_counter() - t0
+        self.faults.append(record)
+
+    def _replace_learner(self, cell: int, record: dict) -> None:
+        learner = self.pool.replace(cell, "learner")
+        ray.get([learner.set_xlong_state.remote(self.group.state_ref),
+                 learner.sleep.remote()])
+        redo = self.group.replace(cell, learner)
+        self.group.learner_version[cell] = self.group.version
+        self.queue.extendleft((mb, False) for mb in reversed(redo))
+        record["micro_batches_redone"] = len(redo)
+        self.in_flight.pop(cell, None)
+        self.awake.discard(cell)
+
+    def _replace_runner(self, cell: int, record: dict) -> None:
+        runner = self.pool.replace(cell, "runner")
+        ray.get(runner.resume.remote(self.group.weights_ref, self.group.version))
+        live = list(self.m.live[cell])
+        spooled = {}
+        if self.spool is not None and live:
+            spooled = self.spool.get(f"r{r}" for r in live)
+        results = [res for _, res in spooled.values()]
+        record["runs_from_spool"] = len(results)
+        self._on_ended(cell, results, self.now())  # delivers, then watches the new runner
+        again = list(self.m.live[cell])
+        if again:
+            g = self.cfg.job.runs_per_group
+            ray.get(runner.start_runs.remote([self.cfg.work.spec(r, runs_per_group=g)
+                                              for r in again]))
+            for run in again:
+                self.m.restart_run(cell, run, self.now())
+        record["runs_rerun"] = len(again)
+
+    def _restore_role(self, cell: int, dropped: set[str], runner_new: bool,
+                      learner_new: bool) -> None:
+        """Put the cell's actors back into what its role expects (module docstring)."""
+        c, role = self.cells[cell], self.m.role[cell]
+        if role is Role.DRAINING and runner_new:
+            c.runner.drain.remote()
+        elif role is Role.TRAINING:
+            after = c.runner.suspend.remote() if runner_new else None
+            in_step = self.m.step >= 0 and self.m.step_of[cell] == self.m.step
+            if "switch" in dropped or learner_new:
+                self.in_flight.pop(cell, None)
+                self.awake.discard(cell)
+                if in_step:
+                    redo = self.group.replace(cell, c.learner) if cell in self.group.members \
+                        else []
+                    self.queue.extendleft((mb, False) for mb in reversed(redo))
+                    ref = self.group.join(cell, after=after)
+                else:
+                    ref = c.learner.wake_up.remote(self.group.state_ref, after)
+                self.m.busy_until(cell, INF)
+                self.pending[ref] = ("switch", cell, self.now())
+        elif role is Role.SYNCING and ("sync" in dropped or runner_new):
+            ref = c.runner.resume.remote(self.group.weights_ref, self.group.version)
+            self.pending[ref] = ("sync", cell, self.now())
+
+    def _retire(self, cell: int, why: str, t0: float) -> None:
+        now = self.now()
+        self.m.cell_lost(cell, "node", now)
+        try:
+            orphans = self.m.retire_cell(cell, now)
+        except Exception as exc:  # noqa: BLE001 - the last cell: nothing to continue on
+            raise CellActorDied(f"cell {cell}: node lost ({why}) and it cannot retire: "
+                                f"{exc}") from exc
+        self._drop_pending(cell, RUNNER_KINDS + LEARNER_KINDS)
+        redo = self.group.replace(cell, self.cells[cell].learner)
+        self.queue.extendleft((mb, False) for mb in reversed(redo))
+        self.in_flight.pop(cell, None)
+        self.awake.discard(cell)
+        self.retired.add(cell)
+        self.faults.append({"kind": "node", "cell": cell, "why": why, "t": now,
+                            "runs_rerun": len(orphans), "runs_from_spool": 0,
+                            "micro_batches_redone": len(redo),
+                            "recover_s": time.perf_counter() - t0, "retired": True})
+
+    def _check_retired(self) -> None:
+        """Rebuild retired cells whose placement group Ray has placed again."""
+        for cell in sorted(self.retired):
+            if not self.pool.placed(cell):
+                continue
+            t0 = time.perf_counter()
+            try:
+                learner = self.pool.replace(cell, "learner", timeout_s=30.0)
+                runner = self.pool.replace(cell, "runner", timeout_s=30.0)
+            except TimeoutError:
+                continue
+            ray.get([learner.set_xlong_state.remote(self.group.state_ref),
+                     learner.sleep.remote(),
+                     runner.resume.remote(self.group.weights_ref, self.group.version)])
+            self.group.replace(cell, learner)
+            self.group.learner_version[cell] = self.group.version
+            self.retired.discard(cell)
+            self.m.rebuild_cell(cell, self.now())
+            self._watch_runs(cell)
+            self.faults.append({"kind": "node_returned", "cell": cell, "t": self.now(),
+                                "runs_rerun": 0, "runs_from_spool": 0,
+                                "micro_batches_redone": 0,
+                                "recover_s": time.perf_counter() - t0})
+
+    # -- driver checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self) -> pathlib.Path:
+        """Write the driver checkpoint (module docstring) atomically; returns its path."""
+        root = pathlib.Path(self.cfg.checkpoint_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        version = self.m.version
+        runs = root / f"ended-v{version}.jsonl.gz"  # recording format: contexts as deltas
+        write_runs(str(runs), [r for g in sorted(self.ended) for r in self.ended[g]])
+        state = {
+            "format": 1, "mode": self.policy.name, "job": self.cfg.job,
+            "time": self.now(), "machine": self.m, "policy": self.policy,
+            "ended_runs": runs.name, "trained": self.trained,
+            "learner": ray.get(self.group.state_ref),
+            "token_staleness": self.token_staleness,
+            "stats": dict(self.stats), "faults": self.faults,
+        }
+        path, tmp = root / CHECKPOINT, root / f".{CHECKPOINT}.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        for old in root.glob("ended-v*.jsonl.gz"):
+            if old.name != runs.name:
+                old.unlink(missing_ok=True)
+        if self.spool is not None:
+            self.spool.discard(self.unsaved)
+        self.unsaved.clear()
+        return path
+
+    def _resume(self, path: str | os.PathLike) -> None:
+        """Load a driver checkpoint into this (new) driver and its fresh cells."""
+        state = torch.load(path, weights_only=False)
+        if state.get("format") != 1 or state["job"] != self.cfg.job:
+            raise ValueError(f"RayActuator.resume_from: {path} is not a checkpoint of this job "
+                             f"({state.get('job')} vs {self.cfg.job})")
+        self.m, self.policy = state["machine"], state["policy"]
+        self.ended = collections.defaultdict(list)
+        g = self.cfg.job.runs_per_group
+        for run in read_runs(str(pathlib.Path(path).parent / state["ended_runs"])):
+            self.ended[int(run.run_id[1:]) // g].append(run)
+        self.trained = state["trained"]
+        self.token_staleness = state["token_staleness"]
+        self.stats = collections.defaultdict(list, state["stats"])
+        self.faults = list(state["faults"])
+        learner_state = state["learner"]
+        version = int(learner_state["version"])
+        calls = []
+        for cell in self.cells:
+            calls += [cell.learner.set_xlong_state.remote(learner_state),
+                      cell.learner.sleep.remote()]
+        ray.get(calls)
+        self.group = type(self.group)([c.learner for c in self.cells], state=learner_state)
+        ray.get([c.runner.resume.remote(self.group.weights_ref, version) for c in self.cells])
+        self.t0 = time.monotonic() - float(state["time"])
+        owed = self.m.resume(self.now())
+        spooled = self.spool.get(f"r{run}" for _, run in owed) if self.spool else {}
+        by_cell = collections.defaultdict(list)
+        for cell, run in owed:
+            if f"r{run}" in spooled:
+                by_cell[cell].append(spooled[f"r{run}"][1])
+        rerun = 0
+        g = self.cfg.job.runs_per_group
+        for cell, c in enumerate(self.cells):
+            self._on_ended(cell, by_cell.get(cell, []), self.now())
+            again = list(self.m.live[cell])
+            if again:
+                ray.get(c.runner.start_runs.remote([self.cfg.work.spec(r, runs_per_group=g)
+                                                    for r in again]))
+                for run in again:
+                    self.m.restart_run(cell, run, self.now())
+                rerun += len(again)
+            if self.m.role[cell] is Role.DRAINING:
+                c.runner.drain.remote()
+        if self.spool is not None:  # results of runs started after the checkpoint: re-run
+            known = {r.run_id for runs in self.ended.values() for r in runs}
+            known |= {r for ids in self.trained.values() for r in ids}
+            self.spool.discard(self.spool.run_ids() - known - self.unsaved)
+        self.resumed_at = time.time()
+        self.faults.append({"kind": "driver", "cell": -1, "t": self.now(), "runs_rerun": rerun,
+                            "runs_from_spool": sum(len(v) for v in by_cell.values()),
+                            "micro_batches_redone": 0, "recover_s": 0.0})
 
     def result(self) -> RayResult:
         """Measurements of the finished job."""
@@ -248,6 +565,7 @@ class RayActuator:
             slots_per_cell=self.cfg.slots_per_cell,
             staleness=tuple(s - v for s, v in zip(led.trained_step, led.group_version)),
             token_staleness_max=self.token_staleness, trained_step=tuple(led.trained_step),
-            trained_runs=tuple(tuple(self.trained.get(s, ())) for s in range(self.m.version)), events=tuple(self.m.log),
-            timings={k: tuple(v) for k, v in self.stats.items()},
-            placement_groups_created=self.pool.placement_groups_created)
+            trained_runs=tuple(tuple(self.trained.get(s, ())) for s in range(self.m.version)),
+            events=tuple(self.m.log), timings={k: tuple(v) for k, v in self.stats.items()},
+            placement_groups_created=self.pool.placement_groups_created,
+            faults=tuple(self.faults))

@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
 from ray_xlong.rllib.learner import LearnerSettings, XLongLearner, learner_config
+from ray_xlong.rllib.spool import RunSpool
 from ray_xlong.rollout.tasks import TASKS, TaskFactory, register_task
 
 STRATEGIES = ("STRICT_SPREAD", "PACK", "SPREAD", "STRICT_PACK")
@@ -113,11 +114,20 @@ class CellRunner(AgentEnvRunner):
     """
 
     def __init__(self, *, config: Any, rollout_config: RolloutConfig,
-                 tasks: Mapping[str, TaskFactory]) -> None:
+                 tasks: Mapping[str, TaskFactory], cell: int = -1,
+                 spool_dir: str | None = None) -> None:
         for name, factory in tasks.items():
             if name not in TASKS:
                 register_task(name, factory)
+        self.cell = cell
+        self.spool = RunSpool(spool_dir) if spool_dir else None
         super().__init__(config=config, rollout_config=rollout_config)
+
+    def _on_end(self, run_id: str, env, task) -> None:
+        # Spool first, then hand over: a runner that dies in between loses nothing.
+        if self.spool is not None and not task.cancelled() and task.exception() is None:
+            self.spool.put(self.cell, task.result())
+        super()._on_end(run_id, env, task)
 
     @ray.method(concurrency_group="poll")
     def wait_ended(self, timeout_s: float) -> list:
@@ -178,6 +188,41 @@ class CellPool:
     """Object ref of the learners' version-0 state (to reset between jobs)."""
     initial_weights: Any = None
     """Object ref of the version-0 weights (engines are reset to them)."""
+    spawn: Any = None
+    """``spawn(index, pg, which) -> actor``: starts a cell's runner or learner again."""
+    actors_replaced: int = 0
+    """Actors started again after a loss (runner or learner)."""
+
+    def replace(self, cell: int, which: str, *, timeout_s: float = 120.0) -> Any:
+        """Start ``cell``'s ``which`` ("runner" | "learner") again in its placement group and
+        wait until it is up (a learner is built, at version 0: load the job's state next).
+
+        Raises:
+            TimeoutError: the actor did not come up (its placement group lost its node).
+        """
+        c = self.cells[cell]
+        old = getattr(c, which)
+        ray.kill(old, no_restart=True)
+        actor = self.spawn(cell, c.pg, which)
+        ready = actor.build.remote() if which == "learner" else actor.num_live_runs.remote()
+        try:
+            ray.get(ready, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor, no_restart=True)
+            raise TimeoutError(f"cell {cell}: new {which} not up within {timeout_s:g} s") from None
+        setattr(c, which, actor)
+        self.actors_replaced += 1
+        return actor
+
+    def placed(self, cell: int) -> bool:
+        """Whether ``cell``'s placement group holds all its bundles on alive nodes."""
+        from ray.util import placement_group_table
+
+        table = placement_group_table(self.cells[cell].pg)
+        if table.get("state") != "CREATED":
+            return False
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        return all(node in alive for node in table.get("bundles_to_node_id", {}).values())
 
     def shutdown(self) -> None:
         """Stop the actors and remove the placement groups."""
@@ -189,7 +234,7 @@ class CellPool:
 
 def create_cells(layout: CellLayout, *, rollout: RolloutConfig, learner: LearnerSettings,
                  tasks: Mapping[str, TaskFactory] | None = None, seed: int = 0,
-                 ready_timeout_s: float = 120.0) -> CellPool:
+                 ready_timeout_s: float = 120.0, spool_dir: str | None = None) -> CellPool:
     """Validate ``layout`` against the cluster, create one placement group per cell and start
     a runner and a learner in each (blocking until all are up).
 
@@ -207,29 +252,34 @@ def create_cells(layout: CellLayout, *, rollout: RolloutConfig, learner: Learner
         raise LayoutError(f"CellLayout: {layout.cells} placement groups of "
                           f"{layout.nodes_per_cell} × {layout.bundle()} not placed within "
                           f"{ready_timeout_s:g} s") from None
-    cells = [_start_cell(c, pg, layout, rollout, learner, dict(tasks or {}), seed)
+    def spawn(index: int, pg: Any, which: str) -> Any:
+        return _start_actor(index, pg, which, layout, rollout, learner, dict(tasks or {}), seed,
+                            spool_dir)
+
+    cells = [Cell(c, pg, spawn(c, pg, "runner"), spawn(c, pg, "learner"))
              for c, pg in enumerate(pgs)]
     ray.get([cell.learner.build.remote() for cell in cells])
     ray.get([cell.runner.num_live_runs.remote() for cell in cells])
-    pool = CellPool(layout, cells, len(pgs), time.perf_counter() - t0)
+    pool = CellPool(layout, cells, len(pgs), time.perf_counter() - t0, spawn=spawn)
     pool.initial_state = cells[0].learner.get_xlong_state.remote()
     pool.initial_weights = cells[0].learner.get_weights.remote()
     return pool
 
 
-def _start_cell(index: int, pg: Any, layout: CellLayout, rollout: RolloutConfig,
-                learner: LearnerSettings, tasks: dict, seed: int) -> Cell:
+def _start_actor(index: int, pg: Any, which: str, layout: CellLayout, rollout: RolloutConfig,
+                 learner: LearnerSettings, tasks: dict, seed: int, spool_dir: str | None) -> Any:
+    """Start cell ``index``'s runner or learner on bundle 0 of ``pg`` (not waiting for it)."""
     on_cell = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
     half = layout.cpus_per_bundle / 2
-    from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+    if which == "runner":
+        from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 
-    runner = ray.remote(concurrency_groups={"poll": 1})(CellRunner).options(
-        num_cpus=half, num_gpus=layout.gpus_per_node, scheduling_strategy=on_cell).remote(config=AlgorithmConfig(), rollout_config=rollout,
-                                            tasks=tasks)
+        return ray.remote(concurrency_groups={"poll": 1})(CellRunner).options(
+            num_cpus=half, num_gpus=layout.gpus_per_node, scheduling_strategy=on_cell).remote(
+                config=AlgorithmConfig(), rollout_config=rollout, tasks=tasks, cell=index,
+                spool_dir=spool_dir)
     extra = {} if layout.learner_resource == "CPU" else {layout.learner_resource: 1.0}
     config, spec = learner_config(learner, seed=seed)
-    actor = ray.remote(XLongLearner).options(
+    return ray.remote(XLongLearner).options(
         num_cpus=half if not extra else 0, num_gpus=0, resources=extra,
-        scheduling_strategy=on_cell).remote(
-            config=config, module_spec=spec)
-    return Cell(index, pg, runner, actor)
+        scheduling_strategy=on_cell).remote(config=config, module_spec=spec)

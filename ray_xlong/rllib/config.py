@@ -50,6 +50,14 @@ class CellJobConfig:
     """Trajectory processor (tree packing, K, loss normalisation)."""
     poll_s: float = 0.5
     """Longest a runner's ``wait_ended`` blocks."""
+    spool_dir: str | None = None
+    """Where runners spool ended runs before handing them over (``spool.py``); on a cluster,
+    storage every node sees. None: no spool (a runner that dies loses runs it had not handed
+    over yet)."""
+    checkpoint_dir: str | None = None
+    """Where the driver saves its checkpoint at step boundaries (``actuator.py``); None: off."""
+    checkpoint_every: int = 1
+    """Steps between driver checkpoints."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -62,6 +70,12 @@ class CellJobConfig:
                              f"[1, {self.layout.cells - 1}], got {self.async_rollout_cells!r}")
         if self.processor.pack == "none":
             raise ValueError("CellJobConfig.processor.pack must be 'tree' or 'per_trajectory'")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"CellJobConfig.checkpoint_every must be >= 1, "
+                             f"got {self.checkpoint_every!r}")
+        if self.checkpoint_dir and not self.spool_dir:
+            raise ValueError("CellJobConfig.checkpoint_dir needs spool_dir too (runs that end "
+                             "after a checkpoint survive a driver restart only in the spool)")
         if not self.poll_s > 0:
             raise ValueError(f"CellJobConfig.poll_s must be > 0, got {self.poll_s!r}")
 

@@ -32,7 +32,8 @@ def rollout_config(config: CellJobConfig) -> RolloutConfig:
 def start_cells(config: CellJobConfig) -> CellPool:
     """Create the cells of ``config.layout`` on the connected Ray cluster (once per process)."""
     return create_cells(config.layout, rollout=rollout_config(config), learner=config.learner,
-                        tasks=config.work.tasks(), seed=config.work.seed)
+                        tasks=config.work.tasks(), seed=config.work.seed,
+                        spool_dir=config.spool_dir)
 
 
 def run_job(config: CellJobConfig, pool: CellPool) -> RayResult:

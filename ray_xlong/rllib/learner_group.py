@@ -17,6 +17,12 @@ cell that joins later, or that sat out steps, first loads the latest state (``jo
 Invariant (DESIGN.md 7): for one batch, the new weights are the same whether 1 cell, several
 cells, or cells joining at different micro-batches trained it (to float tolerance: only the
 order of additions differs).
+
+A learner that dies mid-step (:meth:`ElasticLearnerGroup.replace`) loses only its local
+gradient: the group kept every micro-batch it handed that member this step, so they go back to
+the queue and the step ends with the same update. If it dies inside :meth:`finish`, the
+survivors' gradients are already taken: they are *banked* (kept as object refs and added at the
+next attempt) and :class:`StepIncomplete` tells the caller which micro-batches to train again.
 """
 
 from __future__ import annotations
@@ -91,22 +97,49 @@ def chunk_with_stats(runs: Sequence[AgentRun], *, processor: ProcessorConfig,
     return out, batch.stats
 
 
+class StepIncomplete(RuntimeError):
+    """:meth:`ElasticLearnerGroup.finish` lost members before the update was applied; their
+    micro-batches (``redo``) must be trained again by the members left, then ``finish`` again."""
+
+    def __init__(self, lost: list[int], redo: list[MicroBatch]) -> None:
+        super().__init__(f"members {lost} lost before the update; {len(redo)} micro-batches "
+                         "to train again")
+        self.lost, self.redo = lost, redo
+
+
+def actor_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` (from ``ray.get``) means an actor died (directly or in a dependency)."""
+    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
+        return True
+    cause = getattr(exc, "cause", None)
+    return isinstance(cause, BaseException) and cause is not exc and actor_lost(cause)
+
+
 class ElasticLearnerGroup:
     """Learner actors by cell; a step's members change between micro-batches (module doc)."""
 
-    def __init__(self, learners: Sequence[Any]) -> None:
+    def __init__(self, learners: Sequence[Any], *, state: Any = None) -> None:
         """Args:
             learners: one built ``XLongLearner`` actor handle per cell, all at version 0 with
-                the same weights.
+                the same weights (or all loaded with ``state``).
+            state: the learners' ``get_xlong_state`` (value) when they were loaded from a
+                checkpoint; its version becomes the group's.
         """
         if not learners:
             raise ValueError("ElasticLearnerGroup.learners: need at least one learner")
         self.learners = list(learners)
-        self.version = 0
-        self.state_ref = self.learners[0].get_xlong_state.remote()
-        self.weights_ref = self.learners[0].get_weights.remote()
-        self.learner_version = [0] * len(learners)
+        if state is None:
+            self.version = 0
+            self.state_ref = self.learners[0].get_xlong_state.remote()
+            self.weights_ref = self.learners[0].get_weights.remote()
+        else:
+            self.version = int(state["version"])
+            self.state_ref = ray.put(dict(state))
+            self.weights_ref = ray.put(state["weights"])
+        self.learner_version = [self.version] * len(learners)
         self.members: list[int] = []
+        self.held: dict[int, list[MicroBatch]] = {}
+        self.banked: list[Any] = []
         self.total = 0.0
         self.step = -1
 
@@ -116,6 +149,7 @@ class ElasticLearnerGroup:
             raise RuntimeError(f"ElasticLearnerGroup.begin: step {step} at version "
                                f"{self.version} (step in progress: {self.step})")
         self.step, self.members, self.total = step, [], 0.0
+        self.held, self.banked = {}, []
 
     def join(self, cell: int, *, after: Any = None):
         """Add ``cell`` to the step; it wakes up on the step's weights (once ``after``, e.g.
@@ -124,6 +158,7 @@ class ElasticLearnerGroup:
             raise RuntimeError(f"ElasticLearnerGroup.join: cell {cell} (step {self.step}, "
                                f"members {self.members})")
         self.members.append(cell)
+        self.held.setdefault(cell, [])
         behind = self.learner_version[cell] != self.version
         self.learner_version[cell] = self.version
         return self.learners[cell].wake_up.remote(self.state_ref if behind else None, after)
@@ -136,23 +171,78 @@ class ElasticLearnerGroup:
                                f"{self.step} (members {self.members})")
         if new_chunk:
             self.total += micro.weight
+        self.held[cell].append(micro)
         return self.learners[cell].accumulate.remote(micro.tensors)
 
-    def finish(self) -> None:
-        """Reduce over the members, apply one step on each; blocks until applied."""
+    def replace(self, cell: int, learner: Any) -> list[MicroBatch]:
+        """``cell``'s learner died and ``learner`` (built, asleep or not, any version) took its
+        place. Returns the micro-batches the dead one trained this step (train them again, with
+        ``new_chunk=False``: their normalizers are counted); the cell leaves the step (``join``
+        it again to keep it training) and loads the latest state when it next joins."""
+        self.learners[cell] = learner
+        self.learner_version[cell] = -1
+        redo = self.held.pop(cell, [])
+        if cell in self.members:
+            self.members.remove(cell)
+        return redo
+
+    def finish(self) -> list[int]:
+        """Reduce over the members, apply one step on each; blocks until applied. Returns the
+        members that died *after* the update was applied (replace them; the step is done).
+
+        Raises:
+            StepIncomplete: members died before the update was applied (see module docstring).
+        """
         if self.step < 0 or not self.members:
             raise RuntimeError(f"ElasticLearnerGroup.finish: step {self.step} has no members")
         members = sorted(self.members)
-        grads = [self.learners[c].take_gradients.remote() for c in members]
+        grads = {c: self.learners[c].take_gradients.remote() for c in members}
+        parts = self.banked + [grads[c] for c in members]
         new = self.version + 1
-        ray.get([self.learners[c].apply_step.remote(grads, self.total, new) for c in members])
+        applied = {c: self.learners[c].apply_step.remote(parts, self.total, new)
+                   for c in members}
+        dead, done = [], []
         for c in members:
+            try:
+                ray.get(applied[c])
+                done.append(c)
+            except ray.exceptions.RayError as exc:
+                if not actor_lost(exc):
+                    raise
+                dead.append(c)
+        if not done:
+            lost = [c for c in members if not _gradient_ok(grads[c])]
+            if not lost:
+                raise RuntimeError("ElasticLearnerGroup.finish: every member's update failed "
+                                   "but no gradient was lost")
+            # Survivors' gradients are taken: bank them; the lost members' work is redone.
+            self.banked += [grads[c] for c in members if c not in lost]
+            redo = [m for c in lost for m in self.held.pop(c, [])]
+            self.held.update({c: [] for c in members if c not in lost})
+            self.members = [c for c in members if c not in lost]
+            raise StepIncomplete(lost, redo)
+        for c in done:
             self.learner_version[c] = new
-        lead = self.learners[members[0]]
+        for c in dead:
+            self.learner_version[c] = -1
+        lead = self.learners[done[0]]
         self.state_ref = lead.get_xlong_state.remote()
         self.weights_ref = lead.get_weights.remote()
         self.version, self.step, self.members = new, -1, []
+        self.held, self.banked = {}, []
+        return dead
 
     def sleep(self, cell: int):
         """Put ``cell``'s learner to sleep (it lends memory to the engine). Returns a ref."""
         return self.learners[cell].sleep.remote()
+
+
+def _gradient_ok(ref: Any) -> bool:
+    """Whether a ``take_gradients`` ref holds a value (its learner did not die before it)."""
+    try:
+        ray.get(ref, timeout=60)
+        return True
+    except ray.exceptions.RayError as exc:
+        if actor_lost(exc):
+            return False
+        raise

@@ -43,6 +43,10 @@ class RayResult:
     ``micro_batch_targets``, ``step_members``."""
     placement_groups_created: int
     """Placement groups created by the pool (all at start-up)."""
+    faults: tuple[dict, ...] = ()
+    """One record per recovery (``kind`` runner / learner / both / node / node_returned /
+    driver, ``cell``, ``t``, ``runs_rerun``, ``runs_from_spool``, ``micro_batches_redone``,
+    ``recover_s``)."""
 
     @property
     def busy_cell_s(self) -> float:
@@ -83,6 +87,14 @@ def check_invariants(result: RayResult, *, staleness_bound: int) -> list[str]:
                 bad.append(f"run {e.run} started on cell {e.cell} in role {role[e.cell]}")
             live[e.cell].add(e.run)
             started_on[e.run] = e.cell
+        elif e.kind == "run_restarted":  # in place, or on another cell after a retirement
+            if e.run not in started_on:
+                bad.append(f"run {e.run} restarted on cell {e.cell} but never started")
+            live[started_on.get(e.run, e.cell)].discard(e.run)
+            live[e.cell].add(e.run)
+            started_on[e.run] = e.cell
+        elif e.kind == "cell_retired":
+            live[e.cell].clear()
         elif e.kind == "run_ended":
             if started_on.get(e.run) != e.cell:
                 bad.append(f"run {e.run} ended on cell {e.cell}, started on "

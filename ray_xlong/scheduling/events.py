@@ -28,6 +28,11 @@ KINDS = (
     "step_ended",  # step `step` applied: policy version is now `step + 1`
     "micro_batch",  # `cell` finished one micro-batch of step `step` (Ray driver only)
     "finish",  # every step trained; no cell
+    "cell_lost",  # an actor of `cell` died (`role` says which: "runner", "learner", "node")
+    "cell_retired",  # `cell` left the job (its node is gone); its live runs restart elsewhere
+    "cell_rebuilt",  # a lost or retired `cell` has fresh actors and is back in its role
+    "run_restarted",  # run `run` started again on `cell` (its runner or cell was lost)
+    "resumed",  # a new driver resumed the job from a checkpoint at version `version`
 )
 
 

@@ -13,10 +13,18 @@ Invariants checked on every transition:
   current version; staleness <= bound (:class:`~ray_xlong.scheduling.ledger.GroupLedger`).
 
 The machine also writes the event log (:class:`~ray_xlong.scheduling.events.Event`).
+
+Faults (DESIGN.md 9, 10): a cell whose node is gone is *retired* (:meth:`CellMachine.retire_cell`):
+it leaves every snapshot, and its live runs join a restart queue that the next ``StartRuns`` on
+any cell drains first (same run ids, so a run is still trained exactly once). A cell whose
+runner died restarts its live runs in place (:meth:`CellMachine.restart_run`). A machine pickles
+whole; :meth:`CellMachine.resume` turns one saved at a step boundary into the state a new driver
+starts from (every cell back in rollout, live runs still owed).
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Sequence
 
 from ray_xlong.scheduling.events import Event
@@ -50,6 +58,8 @@ class CellMachine:
         self.step = -1
         self.step_groups = 0
         self.step_starved = False
+        self.retired: set[int] = set()
+        self.restart: collections.deque[int] = collections.deque()  # orphaned runs, FIFO
         self.log: list[Event] = [Event(0.0, "start")]
 
     # -- moves -----------------------------------------------------------------------------
@@ -57,6 +67,8 @@ class CellMachine:
         """Validate and apply ``move``; returns the run ids started (StartRuns), else []."""
         if not 0 <= move.cell < len(self.slots):
             raise TransitionError(f"{move}: no cell {move.cell}")
+        if move.cell in self.retired:
+            raise TransitionError(f"{move}: cell {move.cell} is retired")
         if isinstance(move, StartRuns):
             return self._start_runs(move, now)
         if isinstance(move, Drain):
@@ -121,13 +133,16 @@ class CellMachine:
             raise TransitionError(
                 f"{move}: count must be 1..{self.slots[cell] - len(self.live[cell])} (free slots)"
             )
-        runs = self.ledger.start_runs(move.count, self.version)
+        again = [self.restart.popleft() for _ in range(min(move.count, len(self.restart)))]
+        runs = again + (self.ledger.start_runs(move.count - len(again), self.version)
+                        if move.count > len(again) else [])
         g_size = self.config.runs_per_group
         for run in runs:
             self.live[cell][run] = now
             self.run_cell[run] = cell
+            kind = "run_restarted" if run in again else "run_started"
             self.log.append(
-                Event(now, "run_started", cell=cell, run=run, group=run // g_size, version=self.version)
+                Event(now, kind, cell=cell, run=run, group=run // g_size, version=self.version)
             )
         return runs
 
@@ -141,6 +156,67 @@ class CellMachine:
         del self.live[cell][run]
         self.log.append(Event(now, "run_ended", cell=cell, run=run, group=run // self.config.runs_per_group))
         return self.ledger.run_ended(run)
+
+    def restart_run(self, cell: int, run: int, now: float) -> None:
+        """Run ``run`` started again on its own cell (its runner was replaced)."""
+        if self.run_cell.get(run) != cell or run not in self.live[cell]:
+            raise TransitionError(f"restart_run: run {run} is not live on cell {cell}")
+        del self.live[cell][run]
+        self.live[cell][run] = now
+        self.log.append(Event(now, "run_restarted", cell=cell, run=run,
+                              group=run // self.config.runs_per_group, version=self.version))
+
+    def cell_lost(self, cell: int, what: str, now: float) -> None:
+        """Log that an actor of ``cell`` died (``what``: runner / learner / node)."""
+        self.log.append(Event(now, "cell_lost", cell=cell, role=what))
+
+    def retire_cell(self, cell: int, now: float) -> list[int]:
+        """``cell`` leaves the job (its node is gone). Returns its live runs, which now wait in
+        the restart queue; the actuator drops the cell from the step it trained, if any."""
+        if cell in self.retired:
+            raise TransitionError(f"retire_cell: cell {cell} is already retired")
+        if len(self.retired) + 1 >= len(self.slots):
+            raise TransitionError(f"retire_cell: cell {cell} is the last cell of the job")
+        orphans = list(self.live[cell])
+        self.live[cell].clear()
+        for run in orphans:
+            del self.run_cell[run]
+        self.restart.extend(orphans)
+        self.retired.add(cell)
+        self.step_of[cell] = -1
+        self.ready_at[cell] = INF
+        self.log.append(Event(now, "cell_retired", cell=cell))
+        return orphans
+
+    def rebuild_cell(self, cell: int, now: float) -> None:
+        """A retired ``cell`` is back (fresh actors on current weights), in rollout."""
+        if cell not in self.retired:
+            raise TransitionError(f"rebuild_cell: cell {cell} is not retired")
+        self.retired.discard(cell)
+        self.ready_at[cell] = now
+        self.log.append(Event(now, "cell_rebuilt", cell=cell))
+        self._set_role(cell, Role.ROLLOUT, now)
+
+    def resume(self, now: float) -> list[tuple[int, int]]:
+        """Turn a machine saved at a step boundary into a new driver's starting state.
+
+        Every cell is back in rollout (draining cells stay draining) and ready; retired cells
+        come back (the new driver builds every cell). Returns ``(cell, run)`` of the runs that
+        were live when the machine was saved: the driver either reports them ended (their result
+        survived in the spool) or restarts them in place.
+        """
+        if self.step >= 0:
+            raise TransitionError(f"resume: saved during step {self.step}; save at a step "
+                                  "boundary")
+        self.log.append(Event(now, "resumed", version=self.version))
+        for cell in sorted(self.retired):
+            self.rebuild_cell(cell, now)
+        for cell, role in enumerate(self.role):
+            self.step_of[cell] = -1
+            self.ready_at[cell] = now
+            if role in (Role.TRAINING, Role.SYNCING):
+                self._set_role(cell, Role.ROLLOUT, now)
+        return [(cell, run) for cell, live in enumerate(self.live) for run in live]
 
     def busy_until(self, cell: int, ready_at: float) -> None:
         """The actuator's switch / sync on ``cell`` ends at ``ready_at``."""
@@ -191,7 +267,7 @@ class CellMachine:
                 oldest_run_start=next(iter(self.live[c].values()), INF),
                 newest_run_start=next(reversed(self.live[c].values()), INF),
             )
-            for c in range(len(self.slots))
+            for c in range(len(self.slots)) if c not in self.retired
         )
         ledger = self.ledger
         next_step = self.step if self.step >= 0 else self.version
@@ -200,7 +276,7 @@ class CellMachine:
             step_groups=self.step_groups, step_starved=self.step_starved,
             ready_groups=ledger.ready_groups,
             takeable_groups=ledger.takeable(next_step, self.step_groups) if not self.done else 0,
-            startable_runs=ledger.startable_runs(self.version),
-            unstarted_runs=self.config.total_runs - ledger.next_run,
+            startable_runs=ledger.startable_runs(self.version) + len(self.restart),
+            unstarted_runs=self.config.total_runs - ledger.next_run + len(self.restart),
             live_runs=sum(c.live_runs for c in cells),
         )

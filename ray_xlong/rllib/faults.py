@@ -1,0 +1,212 @@
+"""Fault injection and the exactly-once audit: what the fault suite and ``benchmarks/faults.py``
+use to kill things on purpose and check that nothing finished was lost.
+
+```
+FaultInjector(plan, job, remove_node=…, restore_node=…)   actuator.injector = it
+  tick(actuator)  once per driver loop: when the job's ended runs pass a seeded threshold,
+                  kill a runner (one with live runs), a learner (a step member mid micro-batch
+                  when there is one) or a cell's node (cluster_utils.Cluster.remove_node), and
+                  bring removed nodes back after ``node_down_s``
+audit(result, job)  from the event log and the trained-run ids: runs lost, runs trained twice,
+                    steps trained, policy versions consistent, invariant violations
+```
+
+Kills are real (``ray.kill(actor, no_restart=True)``, a raylet removed); only *when* and *whom*
+is chosen here. ``python -m ray_xlong.rllib.faults`` is a driver process for the driver-restart
+fault: it runs (or resumes) one job from a pickled :class:`~ray_xlong.rllib.config.CellJobConfig`
+on a running cluster and writes its result; the parent kills it and starts another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import pickle
+import random
+import time
+from typing import Any, Callable
+
+import ray
+
+from ray_xlong.rllib.metrics import RayResult, check_invariants
+from ray_xlong.scheduling import SchedulingConfig
+
+KINDS = ("runner", "learner", "node", "driver")
+"""Fault kinds (``driver`` is injected from outside the driver process)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FaultPlan:
+    """How many faults of each kind to inject into one job, and when (seeded)."""
+
+    seed: int = 0
+    """Chooses the moments and the victims."""
+    runner: int = 0
+    """Runner (engine) actors to kill."""
+    learner: int = 0
+    """Learner actors to kill."""
+    node: int = 0
+    """Cell nodes to remove (needs ``remove_node`` / ``restore_node``)."""
+    node_down_s: float = 3.0
+    """Seconds a removed node stays away before a node with its resources is added back."""
+    window: tuple[float, float] = (0.1, 0.8)
+    """Faults fire when this fraction of the job's runs has ended (uniform in the window)."""
+
+    def __post_init__(self) -> None:
+        for name in ("runner", "learner", "node"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"FaultPlan.{name} must be >= 0, got {getattr(self, name)!r}")
+        lo, hi = self.window
+        if not 0.0 <= lo <= hi < 1.0:
+            raise ValueError(f"FaultPlan.window must satisfy 0 <= lo <= hi < 1, got "
+                             f"{self.window!r}")
+
+
+class FaultInjector:
+    """Fires a :class:`FaultPlan` into a running :class:`~ray_xlong.rllib.actuator.RayActuator`.
+    """
+
+    def __init__(self, plan: FaultPlan, job: SchedulingConfig, *,
+                 remove_node: Callable[[str], Any] | None = None,
+                 restore_node: Callable[[Any], None] | None = None) -> None:
+        """Args:
+            plan: what to inject.
+            job: the job (its run count places the moments).
+            remove_node: ``remove_node(node_id_hex) -> token`` removes that node.
+            restore_node: ``restore_node(token)`` adds a node like it back.
+        """
+        if plan.node and (remove_node is None or restore_node is None):
+            raise ValueError("FaultInjector: plan.node needs remove_node and restore_node")
+        self.plan, self.job = plan, job
+        self.rng = random.Random(plan.seed)
+        lo, hi = plan.window
+        todo = [(self.rng.uniform(lo, hi) * job.total_runs, kind)
+                for kind in ("runner", "learner", "node") for _ in range(getattr(plan, kind))]
+        self.todo = collections.deque(sorted(todo))
+        self.remove_node, self.restore_node = remove_node, restore_node
+        self.down: list[tuple[float, Any]] = []  # (time to restore, token)
+        self.injected: collections.Counter = collections.Counter()
+        self.log: list[dict[str, Any]] = []
+
+    def tick(self, act: Any) -> None:
+        """Fire every fault whose moment has come; restore nodes whose time is up."""
+        now = time.monotonic()
+        for due, token in list(self.down):
+            if now >= due:
+                self.restore_node(token)
+                self.down.remove((due, token))
+        ended = sum(1 for e in act.m.log if e.kind == "run_ended")
+        while self.todo and self.todo[0][0] <= ended:
+            _, kind = self.todo.popleft()
+            self._fire(kind, act)
+
+    def _fire(self, kind: str, act: Any) -> None:
+        cells = [c for c in range(len(act.cells)) if c not in act.retired]
+        if kind == "runner":
+            busy = [c for c in cells if act.m.live[c]]
+            cell = self.rng.choice(busy or cells)
+            ray.kill(act.cells[cell].runner, no_restart=True)
+        elif kind == "learner":
+            busy = [c for c in cells if c in act.in_flight] or \
+                [c for c in cells if c in act.group.members]
+            cell = self.rng.choice(busy or cells)
+            ray.kill(act.cells[cell].learner, no_restart=True)
+        else:
+            if len(cells) < 2:
+                return  # never take the last cell
+            cell = self.rng.choice(cells)
+            from ray.util import placement_group_table
+
+            nodes = set(placement_group_table(act.cells[cell].pg)["bundles_to_node_id"].values())
+            for node in sorted(nodes):
+                token = self.remove_node(node)
+                self.down.append((time.monotonic() + self.plan.node_down_s, token))
+        self.injected[kind] += 1
+        self.log.append({"kind": kind, "cell": cell, "t": act.now(),
+                         "runs_ended": sum(1 for e in act.m.log if e.kind == "run_ended")})
+
+    def finish(self) -> None:
+        """Bring back every node still down (call after the job)."""
+        for _, token in self.down:
+            self.restore_node(token)
+        self.down.clear()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Audit:
+    """What the event log and trained-run ids say about a finished job."""
+
+    steps: int
+    """Steps trained (policy version reached)."""
+    runs_trained: int
+    """Distinct runs trained."""
+    runs_lost: int
+    """Runs of the job never trained (ended-and-dropped, or never finished)."""
+    runs_trained_twice: int
+    """Runs in more than one step's batch (or twice in one)."""
+    runs_rerun: int
+    """Runs started again after a fault (``run_restarted`` events)."""
+    versions_consistent: bool
+    """Steps ended in order, each raising the version by one, up to the target."""
+    violations: tuple[str, ...]
+    """``metrics.check_invariants`` findings."""
+
+    @property
+    def ok(self) -> bool:
+        """Nothing lost, nothing twice, the target reached, versions and invariants hold."""
+        return not (self.runs_lost or self.runs_trained_twice or self.violations) \
+            and self.versions_consistent
+
+
+def audit(result: RayResult, job: SchedulingConfig) -> Audit:
+    """Check ``result`` of ``job`` (see :class:`Audit`)."""
+    trained = collections.Counter(r for step in result.trained_runs for r in step)
+    want = {f"r{r}" for r in range(job.total_runs)}
+    ends = [e.version for e in result.events if e.kind == "step_ended"]
+    return Audit(
+        steps=len(ends), runs_trained=len(trained),
+        runs_lost=len(want - set(trained)),
+        runs_trained_twice=sum(1 for n in trained.values() if n > 1),
+        runs_rerun=sum(1 for e in result.events if e.kind == "run_restarted"),
+        versions_consistent=ends == list(range(1, job.total_steps + 1)),
+        violations=tuple(check_invariants(result, staleness_bound=job.staleness_bound)))
+
+
+# -- the driver process of the driver-restart fault ----------------------------------------------
+def drive(config_path: str, address: str, out: str, *, resume: bool) -> None:
+    """Connect to ``address``, create the cells of the pickled config, run (or resume from its
+    checkpoint) the job, and pickle ``{"result", "resumed_at"}`` to ``out``."""
+    import os
+
+    from ray_xlong.rllib.actuator import CHECKPOINT, RayActuator
+    from ray_xlong.rllib.config import make_policy
+    from ray_xlong.rllib.driver import start_cells
+
+    with open(config_path, "rb") as f:
+        config = pickle.load(f)
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    pool = start_cells(config)
+    act = RayActuator(config, make_policy(config), pool)
+    path = os.path.join(config.checkpoint_dir, CHECKPOINT)
+    result = act.run(resume_from=path if resume else None)
+    tmp = out + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump({"result": result, "resumed_at": act.resumed_at}, f)
+    os.replace(tmp, out)
+    pool.shutdown()
+    ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:  # pragma: no cover - run as a subprocess
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="pickled CellJobConfig")
+    p.add_argument("--address", required=True, help="Ray cluster address")
+    p.add_argument("--out", required=True, help="where to pickle the result")
+    p.add_argument("--resume", action="store_true", help="resume from the job's checkpoint")
+    args = p.parse_args(argv)
+    drive(args.config, args.address, args.out, resume=args.resume)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
