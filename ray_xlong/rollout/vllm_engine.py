@@ -37,6 +37,11 @@ def vllm_available() -> bool:
     return True
 
 
+_set_num_threads = torch._C.set_num_threads
+"""torch's own setter: vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op once it
+has bound its threads, so a worker thread could not match the bound count through it."""
+
+
 class VLLMEngine(BatchingEngine):
     """vLLM engine over a model directory (see module docstring)."""
 
@@ -69,7 +74,7 @@ class VLLMEngine(BatchingEngine):
         from vllm import LLM
 
         self.llm = LLM(**self._args)
-        self._threads = torch.get_num_threads()
+        self._threads = torch.get_num_threads()  # what vLLM's CPU worker bound (this thread)
 
     # -- hooks ------------------------------------------------------------------------------
     def _run_batch(self, requests: Sequence[tuple[np.ndarray, SamplingConfig, int]]
@@ -78,8 +83,10 @@ class VLLMEngine(BatchingEngine):
         from vllm.inputs import TokensPrompt
 
         # OpenMP thread counts are per OS thread; vLLM's CPU attention checks that the batch
-        # runs with the count it was built with, and batches run in a worker thread.
-        torch.set_num_threads(self._threads)
+        # runs with the count it bound at build time. A worker thread starts with the process
+        # default (a caller's torch.set_num_threads(1) made every batch fail with
+        # "thread_num == thread_num (2 vs. 1)"), so set it with torch's real setter.
+        _set_num_threads(self._threads)
         prompts = [TokensPrompt(prompt_token_ids=ids.tolist()) for ids, _, _ in requests]
         params = [SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, seed=seed,
                                  stop_token_ids=list(s.stop_token_ids), logprobs=0,

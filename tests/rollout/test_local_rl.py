@@ -137,8 +137,12 @@ def test_configs_name_the_bad_field():
 # -- learning (slow) ------------------------------------------------------------------------
 @pytest.mark.slow
 def test_rl_raises_the_reward_on_the_lookup_task(tmp_path):
-    torch.set_num_threads(1)
-    config = LocalRLConfig(seed=1, steps=25)
-    result = run_local_rl(config, tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # deterministic and quiet on a 2-core machine; restored below
+    try:
+        config = LocalRLConfig(seed=1, steps=25)
+        result = run_local_rl(config, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
     assert result.initial_reward < 0.5                  # headroom: the warm start is weak
     assert result.rise >= 0.3, (result.initial_reward, result.rewards, result.final_reward)
