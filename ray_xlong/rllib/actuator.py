@@ -88,7 +88,8 @@ class RayActuator:
         self.cfg, self.policy, self.pool = config, policy, pool
         self.cells = pool.cells
         self.m = CellMachine(config.job, slots=[config.slots_per_cell] * len(self.cells))
-        self.group = ElasticLearnerGroup([c.learner for c in self.cells])
+        self.group = ElasticLearnerGroup([c.learner for c in self.cells],
+                                         durable=config.spool_dir is not None)
         self.pending: dict[Any, tuple[str, int, float]] = {}
         self.ended: dict[int, list] = collections.defaultdict(list)  # group -> AgentRuns
         self.queue: collections.deque[tuple[MicroBatch, bool]] = collections.deque()
@@ -526,7 +527,8 @@ class RayActuator:
             calls += [cell.learner.set_xlong_state.remote(learner_state),
                       cell.learner.sleep.remote()]
         ray.get(calls)
-        self.group = type(self.group)([c.learner for c in self.cells], state=learner_state)
+        self.group = type(self.group)([c.learner for c in self.cells], state=learner_state,
+                                      durable=True)
         ray.get([c.runner.resume.remote(self.group.weights_ref, version) for c in self.cells])
         self.t0 = time.monotonic() - float(state["time"])
         owed = self.m.resume(self.now())

@@ -118,16 +118,23 @@ def actor_lost(exc: BaseException) -> bool:
 class ElasticLearnerGroup:
     """Learner actors by cell; a step's members change between micro-batches (module doc)."""
 
-    def __init__(self, learners: Sequence[Any], *, state: Any = None) -> None:
+    def __init__(self, learners: Sequence[Any], *, state: Any = None,
+                 durable: bool = False) -> None:
         """Args:
             learners: one built ``XLongLearner`` actor handle per cell, all at version 0 with
                 the same weights (or all loaded with ``state``).
             state: the learners' ``get_xlong_state`` (value) when they were loaded from a
                 checkpoint; its version becomes the group's.
+            durable: keep each step's state in the driver's object store (one copy through
+                the driver per step), so that it survives the loss of the node that computed
+                it; without it the state lives on a member's node.
         """
+        self.durable = durable
         if not learners:
             raise ValueError("ElasticLearnerGroup.learners: need at least one learner")
         self.learners = list(learners)
+        if state is None and durable:
+            state = ray.get(self.learners[0].get_xlong_state.remote())
         if state is None:
             self.version = 0
             self.state_ref = self.learners[0].get_xlong_state.remote()
@@ -226,8 +233,12 @@ class ElasticLearnerGroup:
         for c in dead:
             self.learner_version[c] = -1
         lead = self.learners[done[0]]
-        self.state_ref = lead.get_xlong_state.remote()
-        self.weights_ref = lead.get_weights.remote()
+        if self.durable:
+            state = ray.get(lead.get_xlong_state.remote())
+            self.state_ref, self.weights_ref = ray.put(state), ray.put(state["weights"])
+        else:
+            self.state_ref = lead.get_xlong_state.remote()
+            self.weights_ref = lead.get_weights.remote()
         self.version, self.step, self.members = new, -1, []
         self.held, self.banked = {}, []
         return dead
