@@ -180,3 +180,57 @@ def test_chunk_weights_add_up_to_the_batch_normalizer():
     assert sum(m.targets for p in parts for m in p) == whole.num_targets
     assert chunk_normalizer(0, 3, "run") == 3.0 and chunk_normalizer(0, 0, "token") == 1.0
     assert list(itertools.chain(*(p[0].run_ids for p in parts))) == [r.run_id for r in runs]
+
+
+@pytest.mark.parametrize("when", ["mid-step", "in-reduce"])
+def test_a_learner_lost_mid_step_gives_the_same_update(ray_local, model_dir, when):
+    """Issue 7: a learner that dies mid-step (between micro-batches, or inside the reduce) is
+    replaced; the micro-batches it held are trained again by others and both steps end on the
+    reference weights, as if nothing happened."""
+    from ray_xlong.rllib.learner_group import StepIncomplete
+
+    want = reference_weights(model_dir, "float32")
+    start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}
+    learners = start_learners(ray_local, model_dir, "float32", 3)
+    group = ElasticLearnerGroup(learners)
+    replaced = []
+
+    def replace(cell: int) -> list:
+        (new,) = start_learners(ray_local, model_dir, "float32", 1)
+        ray_local.get(new.set_xlong_state.remote(group.state_ref))
+        replaced.append(cell)
+        return [(m, False) for m in group.replace(cell, new)]
+
+    for step in range(2):
+        micro = chunk(step_runs(step), processor=PROC, max_tokens=MICRO_TOKENS)
+        group.begin(step)
+        ray_local.get([group.join(c) for c in range(3)])
+        queue, i = [(m, j == 0) for j, m in enumerate(micro)], 0
+        while queue:
+            cell = sorted(group.members)[i % len(group.members)]
+            m, first = queue.pop(0)
+            if step == 0 and when == "mid-step" and i == len(micro) // 2:
+                ray_local.kill(learners[1], no_restart=True)
+            try:
+                ray_local.get(group.submit(cell, m, new_chunk=first))
+            except ray_local.exceptions.RayActorError:
+                queue += replace(cell)               # includes the micro-batch that failed
+                ray_local.get(group.join(cell))      # back in the step, on the step's state
+            i += 1
+        if step == 0 and when == "in-reduce":
+            ray_local.kill(learners[2], no_restart=True)
+        while True:
+            try:
+                group.finish()
+                break
+            except StepIncomplete as inc:
+                assert inc.lost == [2] and inc.redo
+                for c in inc.lost:
+                    replace(c)
+                for j, m in enumerate(inc.redo):     # the survivors train the lost work
+                    cell = sorted(group.members)[j % len(group.members)]
+                    ray_local.get(group.submit(cell, m, new_chunk=False))
+    assert replaced == [1 if when == "mid-step" else 2] and group.version == 2
+    weight_err, update_err = errors(ray_local.get(group.learners[0].get_weights.remote()), want,
+                                    start)
+    assert weight_err <= 1e-5 and update_err <= 1e-4
