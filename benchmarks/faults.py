@@ -117,14 +117,23 @@ def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, se
     job_s = time.perf_counter() - t
     pool.shutdown()
     a = audit(result, config.job)
-    # Recovery time: from each kill to the end of the recovery that followed it.
+    # Recovery time: from each kill to the end of the recovery that followed it (for a node:
+    # to the cell's retirement, when the job goes on without it; rebuild_s: to its rebuild).
     kills = [f["t"] for f in act.injector.log]
-    done = sorted(f["t"] + f["recover_s"] for f in result.faults if f["kind"] != "node")
-    if kind == "node":  # retired at once; recovered when the cell is rebuilt on a new node
-        done = sorted(f["t"] + f["recover_s"] for f in result.faults
-                      if f["kind"] == "node_returned")
-    gaps = [next((d - k for d in done if d >= k), float("nan")) for k in kills]
-    return row(kind, act.injector.injected[kind], a, gaps, job_s, result.faults)
+
+    def gaps_to(kinds: tuple[str, ...]) -> list[float]:
+        done = sorted(f["t"] + f["recover_s"] for f in result.faults if f["kind"] in kinds)
+        return [next((d - k for d in done if d >= k), float("nan")) for k in kills]
+
+    gaps = gaps_to(KIND_RECORDS[kind])
+    rebuild = gaps_to(("node_returned",)) if kind == "node" else []
+    out = row(kind, act.injector.injected[kind], a, gaps, job_s, result.faults,
+              detected=sum(1 for f in result.faults if f["kind"] in KIND_RECORDS[kind]))
+    if kind == "node":
+        finite = [g for g in rebuild if g == g]
+        out["rebuild_s"] = round(sum(finite) / len(finite), 3) if finite else None
+        out["rebuilt"] = len(finite)
+    return out
 
 
 def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -> dict:
@@ -132,6 +141,7 @@ def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -
     from ray_xlong.rllib.actuator import CHECKPOINT
     from ray_xlong.rllib.faults import audit
 
+    os.makedirs(root, exist_ok=True)
     config = dataclasses.replace(config, checkpoint_dir=os.path.join(root, "ckpt"),
                                  spool_dir=os.path.join(root, "spool"))
     cfg_path, out = os.path.join(root, "config.pkl"), os.path.join(root, "result.pkl")
@@ -164,11 +174,19 @@ def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -
     return row("driver", injected, a, gaps, job_s, result.faults)
 
 
-def row(kind: str, injected: int, a, gaps: list[float], job_s: float, records) -> dict:
+KIND_RECORDS = {"runner": ("runner", "both"), "learner": ("learner", "both"),
+                "node": ("node",), "driver": ("driver",)}
+"""Recovery records (``RayResult.faults`` kinds) that answer each injected fault kind."""
+
+
+def row(kind: str, injected: int, a, gaps: list[float], job_s: float, records, *,
+        detected: int | None = None) -> dict:
     import math
 
     finite = [g for g in gaps if not math.isnan(g)]
-    return {"kind": kind, "injected": injected, "survived": injected if a.ok else 0,
+    detected = injected if detected is None else detected
+    return {"kind": kind, "injected": injected,
+            "survived": min(injected, detected) if a.ok else 0, "detected": detected,
             "runs_lost": a.runs_lost, "runs_trained_twice": a.runs_trained_twice,
             "runs_rerun": a.runs_rerun,
             "recover_s": round(sum(finite) / len(finite), 3) if finite else None,
@@ -208,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 rows.append(run_in_driver(kind, config, cluster, per_kind=args.per_kind,
                                           seed=args.seed + i))
-            print(f"{kind}: {rows[-1]}", flush=True)
+            print(f"{kind}: {json.dumps(rows[-1])}", flush=True)
     finally:
         cluster.shutdown()
     print(f"\n{'fault':<8} {'injected':>8} {'survived':>8} {'lost':>5} {'twice':>5} "

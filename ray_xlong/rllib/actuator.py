@@ -459,7 +459,7 @@ class RayActuator:
         for cell in sorted(self.retired):
             if not self.pool.placed(cell):
                 continue
-            t0 = time.perf_counter()
+            t0, start = time.perf_counter(), self.now()
             try:
                 learner = self.pool.replace(cell, "learner", timeout_s=30.0)
                 runner = self.pool.replace(cell, "runner", timeout_s=30.0)
@@ -473,7 +473,7 @@ class RayActuator:
             self.retired.discard(cell)
             self.m.rebuild_cell(cell, self.now())
             self._watch_runs(cell)
-            self.faults.append({"kind": "node_returned", "cell": cell, "t": self.now(),
+            self.faults.append({"kind": "node_returned", "cell": cell, "t": start,
                                 "runs_rerun": 0, "runs_from_spool": 0,
                                 "micro_batches_redone": 0,
                                 "recover_s": time.perf_counter() - t0})
