@@ -3,11 +3,16 @@
     ray-xlong synth    --out runs.jsonl [--paper] [--groups G --runs-per-group R]
     ray-xlong inspect  runs.jsonl [--run RUN] [--max-trajectories 5] [--tree-tokens 8]
     ray-xlong sim      [--preset paper-2.4t] [--seed 0] [--steps N] [--events-dir DIR]
-    ray-xlong timeline events.jsonl [more.jsonl ...] --out timeline.png
+    ray-xlong bench    [--backend sim|ray] [--modes ...] [--forecast] [--json PATH]
+                       sim: [--preset paper-2.4t] [--steps N]   ray: [--size smoke|quick|full]
+                       [--address auto] [--model-dir DIR] [--events-dir DIR]
+    ray-xlong timeline events.jsonl [more.jsonl ...] --out timeline.png [--time-unit seconds]
     ray-xlong train    [--mode elastic] [--engine vllm|hf] [--steps 25] [--seed 1] [--out DIR]
 
 Files: runs are JSONL (schema in ``ray_xlong/trajectory/recording.py``); event logs are JSONL
-of ``ray_xlong.scheduling.events.Event`` (the simulator and the Ray driver write the same).
+of ``ray_xlong.scheduling.events.Event`` (schema in ``ray_xlong/scheduling/events.py``; the
+simulator writes them in hours, the Ray driver — ``train --out``, ``bench --backend ray
+--events-dir`` — in wall seconds).
 Every command validates its input and says what to change when it cannot proceed.
 """
 
@@ -119,6 +124,128 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """The mode comparison, in the simulator or on Ray cells; ratios against elastic."""
+    modes = list(args.modes or ("colocated", "async", "elastic"))
+    if args.forecast and "forecast" not in modes:
+        modes.append("forecast")
+    if "elastic" not in modes:
+        raise CliError("--modes: the table's ratios are against elastic; include elastic")
+    if args.backend == "sim":
+        if args.size is not None or args.address is not None or args.model_dir is not None:
+            raise CliError("--size / --address / --model-dir apply to --backend ray; for the "
+                           "simulator use --preset and --steps")
+        out, logs = _bench_sim(args, modes)
+    else:
+        if args.preset is not None or args.steps is not None:
+            raise CliError("--preset / --steps apply to --backend sim; for Ray use --size "
+                           "smoke|quick|full")
+        out, logs = _bench_ray(args, modes)
+    if args.json:
+        import json
+
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=2))
+        print(f"\nwrote {args.json}")
+    if args.events_dir:
+        from ray_xlong.scheduling.events import to_jsonl
+
+        folder = pathlib.Path(args.events_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, events in logs.items():
+            (folder / f"{name}.jsonl").write_text(to_jsonl(events))
+        unit = " --time-unit seconds" if args.backend == "ray" else ""
+        print(f"event logs in {folder}/<mode>.jsonl (draw: ray-xlong timeline ...{unit})")
+    return 0
+
+
+def _bench_sim(args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
+    from ray_xlong.sim.metrics import lower_bound_h, summarize
+    from ray_xlong.sim.modes import make_policies, preset_workload, simulate_preset
+
+    preset = _preset(args.preset or "paper-2.4t", args.steps)
+    policies = make_policies(preset)
+    _known_modes(modes, policies)
+    workload = preset_workload(preset, seed=args.seed)
+    bound = lower_bound_h(workload=workload, cluster=preset.cluster, costs=preset.costs,
+                          config=preset.job)
+    rows, logs = {}, {}
+    for mode in _progress(modes, "simulating"):
+        result = simulate_preset(preset, policies[mode], seed=args.seed, workload=workload)
+        s = summarize(result)
+        rows[mode] = {"makespan_h": s.makespan_h, "gpu_idle_frac": s.gpu_idle_frac,
+                      "staleness_mean": s.staleness_mean, "staleness_max": s.staleness_max,
+                      "over_lower_bound": s.makespan_h / bound}
+        logs[mode] = result.events
+    for row in rows.values():
+        row["vs_elastic"] = row["makespan_h"] / rows["elastic"]["makespan_h"]
+        row["speedup_vs_colocated"] = rows.get("colocated", row)["makespan_h"] / row["makespan_h"]
+    print(f"simulator, preset {preset.name}, seed {args.seed}, {preset.job.total_steps} steps: "
+          f"lower bound {bound:.2f} h\n")
+    print("| mode | makespan h | ÷ elastic | × vs colocated | ÷ lower bound | GPU idle % | "
+          "staleness mean / max |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, r in rows.items():
+        print(f"| {mode} | {r['makespan_h']:.2f} | {r['vs_elastic']:.3f} | "
+              f"{r['speedup_vs_colocated']:.2f} | {r['over_lower_bound']:.3f} | "
+              f"{100 * r['gpu_idle_frac']:.1f} | {r['staleness_mean']:.2f} / "
+              f"{r['staleness_max']} |")
+    out = {"backend": "sim", "preset": preset.name, "seed": args.seed,
+           "steps": preset.job.total_steps, "lower_bound_h": bound, "modes": rows}
+    return out, logs
+
+
+def _bench_ray(args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise CliError("--backend ray needs Ray RLlib: pip install -e '.[rllib]' (or use "
+                       "--backend sim)")
+    from ray_xlong.rllib.mode_bench import ALL_MODES, run_comparison, table
+
+    if "forecast" in modes:
+        raise CliError("forecast runs in the simulator only (--backend sim); on Ray cells "
+                       "drop --forecast")
+    _known_modes(modes, ALL_MODES)
+    size = args.size or "quick"
+    if args.model_dir is not None and not pathlib.Path(args.model_dir, "config.json").is_file():
+        raise CliError(f"--model-dir {args.model_dir}: not a HF model directory (no "
+                       "config.json)")
+    run = run_comparison(size=size, seed=args.seed, modes=modes, address=args.address,
+                         model_dir=args.model_dir,
+                         on_mode=lambda m: print(f"running {m} on Ray cells ...",
+                                                 file=sys.stderr, flush=True))
+    s = run.summary
+    print(f"Ray cells ({size}, seed {args.seed}): {s['cells']} cells, lower bound "
+          f"{s['lower_bound_s']:.2f} s, cells up in {s['cells_startup_s']:.1f} s; 'sim' and "
+          f"(…): the simulator on the same workload\n")
+    print(table(s["modes"]))
+    logs = {}
+    for mode, (real, sim) in run.logs.items():
+        logs[mode], logs[f"{mode}-sim"] = real, sim
+    return dict(s, backend="ray"), logs
+
+
+def _preset(name: str, steps: int | None):
+    from ray_xlong.sim.modes import with_steps
+    from ray_xlong.sim.presets import get_preset
+
+    try:
+        preset = get_preset(name)
+    except (KeyError, ValueError) as exc:
+        raise CliError(str(exc)) from exc
+    if steps is not None:
+        if steps < 1:
+            raise CliError(f"--steps must be >= 1, got {steps}")
+        preset = with_steps(preset, steps)
+    return preset
+
+
+def _known_modes(modes: Sequence[str], known) -> None:
+    unknown = sorted(set(modes) - set(known))
+    if unknown:
+        raise CliError(f"unknown mode(s) {unknown}; choose from {sorted(known)}")
+
+
 def cmd_timeline(args: argparse.Namespace) -> int:
     from ray_xlong.scheduling.events import from_jsonl
     from ray_xlong.sim.timeline import plot_timelines
@@ -133,7 +260,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
         if not events:
             raise CliError(f"{path} holds no events")
         logs[path.stem] = events
-    plot_timelines(logs, args.out, title=args.title)
+    plot_timelines(logs, args.out, title=args.title, time_unit=args.time_unit)
     print(f"wrote {args.out} ({len(logs)} panel{'s' if len(logs) > 1 else ''})")
     return 0
 
@@ -141,19 +268,29 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """RL on the lookup task on a local Ray (the README main job; see examples/)."""
     from ray_xlong.rllib.train import HEADER, row, run_training
+    from ray_xlong.scheduling.events import to_jsonl
     from ray_xlong.sim.timeline import plot_timelines
+
+    import ray
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(HEADER, flush=True)
-    run = run_training(mode=args.mode, steps=args.steps, seed=args.seed, engine=args.engine,
-                       workdir=args.workdir, groups=args.groups,
-                       runs_per_group=args.runs_per_group,
-                       on_step=lambda r: print(row(r), flush=True))
+    owned = not ray.is_initialized()          # the embedded Ray run_training starts goes after
+    try:
+        run = run_training(mode=args.mode, steps=args.steps, seed=args.seed,
+                           engine=args.engine, workdir=args.workdir, groups=args.groups,
+                           runs_per_group=args.runs_per_group,
+                           on_step=lambda r: print(row(r), flush=True))
+    finally:
+        if owned:
+            ray.shutdown()
+    (out / "events.jsonl").write_text(to_jsonl(run.events))
     plot_timelines({f"{run.mode} ({run.engine})": run.events}, str(out / "timeline.png"),
                    time_unit="seconds")
     print(f"reward {run.rewards[0]:.3f} -> {run.rewards[-1]:.3f}; cells up {run.startup_s:.0f}"
-          f" s, training {run.train_s:.0f} s; wrote {out / 'timeline.png'}")
+          f" s, training {run.train_s:.0f} s; wrote {out / 'timeline.png'} and "
+          f"{out / 'events.jsonl'} (ray-xlong timeline ... --time-unit seconds)")
     return 0
 
 
@@ -199,10 +336,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--events-dir", default=None, help="write each mode's event log here")
     p.set_defaults(fn=cmd_sim)
 
+    p = sub.add_parser(
+        "bench", help="the mode comparison (colocated / async / elastic [/ forecast]), "
+        "in the simulator or on Ray cells", description=cmd_bench.__doc__ + " The table "
+        "gives each mode's makespan ÷ elastic's (< 1: faster than elastic).")
+    p.add_argument("--backend", default="sim", choices=["sim", "ray"],
+                   help="sim: the discrete-event simulator on a preset (seconds); ray: real "
+                   "cells on Ray, each mode beside the simulator on the same workload (minutes)")
+    p.add_argument("--modes", nargs="+", default=None,
+                   help="modes to run (default colocated async elastic; must include elastic)")
+    p.add_argument("--forecast", action="store_true",
+                   help="sim: also run our forecast mode")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default=None, help="sim: preset (default paper-2.4t)")
+    p.add_argument("--steps", type=int, default=None, help="sim: override the preset's steps")
+    p.add_argument("--size", default=None, choices=["smoke", "quick", "full"],
+                   help="ray: job size (default quick; smoke ~1 min on 2 CPUs)")
+    p.add_argument("--address", default=None,
+                   help="ray: join this cluster (e.g. auto after `ray start`) instead of an "
+                   "embedded local Ray")
+    p.add_argument("--model-dir", default=None,
+                   help="ray: policy model (HF directory every node can read; default: a tiny "
+                   "one built locally, fine on one machine)")
+    p.add_argument("--json", default=None, help="write the rows and settings as JSON here")
+    p.add_argument("--events-dir", default=None, help="write each mode's event log here")
+    p.set_defaults(fn=cmd_bench)
+
     p = sub.add_parser("timeline", help="event log(s) → per-cell Gantt PNG")
     p.add_argument("events", nargs="+", help="event log JSONL file(s), one panel each")
     p.add_argument("--out", required=True, help="output PNG")
     p.add_argument("--title", default="")
+    p.add_argument("--time-unit", default="hours", choices=["hours", "seconds"],
+                   help="axis label: the simulator logs hours, the Ray driver wall seconds")
     p.set_defaults(fn=cmd_timeline)
 
     p = sub.add_parser("train", help="RL on the lookup task on cells of a local Ray")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ray_xlong.cli import main
+from ray_xlong.scheduling.events import from_jsonl
 
 
 @pytest.fixture
@@ -49,10 +52,77 @@ def test_sim_writes_event_logs_and_timeline_draws_them(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_sim_prints_ratios_vs_elastic_and_writes_json(tmp_path, capsys):
+    out, events = tmp_path / "bench.json", tmp_path / "ev"
+    assert main(["bench", "--steps", "2", "--forecast", "--json", str(out),
+                 "--events-dir", str(events)]) == 0
+    table = capsys.readouterr().out
+    assert "| mode | makespan h | ÷ elastic |" in table and "| forecast |" in table
+    data = json.loads(out.read_text())
+    assert data["backend"] == "sim" and data["steps"] == 2
+    assert list(data["modes"]) == ["colocated", "async", "elastic", "forecast"]
+    assert data["modes"]["elastic"]["vs_elastic"] == 1.0
+    for row in data["modes"].values():
+        assert row["makespan_h"] >= data["lower_bound_h"] > 0
+    png = tmp_path / "t.png"
+    assert main(["timeline", str(events / "forecast.jsonl"), "--out", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.benchmark
+def test_bench_on_ray_cells_and_timeline_of_the_driver_event_log(tmp_path, capsys):
+    """Tiny budget: every mode on real Ray cells beside the simulator; the Ray driver's event
+    log (written as JSONL) draws through ``timeline`` like the simulator's."""
+    out, events = tmp_path / "bench.json", tmp_path / "ev"
+    assert main(["bench", "--backend", "ray", "--size", "smoke", "--json", str(out),
+                 "--events-dir", str(events)]) == 0
+    assert "| mode | makespan s | sim s |" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["backend"] == "ray" and set(data["modes"]) == {"colocated", "async", "elastic"}
+    for row in data["modes"].values():
+        assert row["violations"] == [] and row["makespan_s"] > 0 and row["vs_elastic"] > 0
+    ray_log = from_jsonl((events / "elastic.jsonl").read_text())
+    kinds = {e.kind for e in ray_log}
+    assert "micro_batch" in kinds and {"run_started", "run_ended", "step_ended"} <= kinds
+    assert [e.time for e in ray_log] == sorted(e.time for e in ray_log)
+    png = tmp_path / "ray.png"
+    assert main(["timeline", str(events / "elastic.jsonl"), str(events / "elastic-sim.jsonl"),
+                 "--time-unit", "seconds", "--out", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_train_writes_the_driver_event_log_and_timeline_draws_it(tmp_path, capsys):
+    """One RL step of the lookup task through XLongAlgorithm (HF engines, tiny budget)."""
+    out = tmp_path / "train"
+    assert main(["train", "--engine", "hf", "--steps", "1", "--groups", "2",
+                 "--runs-per-group", "2", "--workdir", str(tmp_path / "cache"),
+                 "--out", str(out)]) == 0
+    events = from_jsonl((out / "events.jsonl").read_text())
+    assert {"run_started", "run_ended", "step_ended"} <= {e.kind for e in events}
+    png = tmp_path / "train.png"
+    assert main(["timeline", str(out / "events.jsonl"), "--time-unit", "seconds",
+                 "--out", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize("argv, message", [
     pytest.param(["inspect", "/no/such.jsonl"], "no such file", id="missing-file"),
     pytest.param(["sim", "--preset", "paper-9t"], "paper-9t", id="unknown-preset"),
     pytest.param(["sim", "--modes", "turbo"], "unknown mode", id="unknown-mode"),
+    pytest.param(["bench", "--modes", "async", "colocated"], "include elastic",
+                 id="bench-without-elastic"),
+    pytest.param(["bench", "--modes", "elastic", "turbo"], "unknown mode",
+                 id="bench-unknown-mode"),
+    pytest.param(["bench", "--size", "smoke"], "--backend ray", id="bench-size-on-sim"),
+    pytest.param(["bench", "--steps", "0"], "--steps must be >= 1", id="bench-zero-steps"),
+    pytest.param(["bench", "--backend", "ray", "--steps", "2"], "--backend sim",
+                 id="bench-steps-on-ray"),
+    pytest.param(["bench", "--backend", "ray", "--forecast"], "simulator only",
+                 id="bench-forecast-on-ray"),
 ])
 def test_errors_say_what_to_change(argv, message, capsys):
     assert main(argv) == 2
@@ -65,7 +135,7 @@ def test_timeline_rejects_a_non_event_file(runs_file, tmp_path, capsys):
 
 
 def test_every_command_has_help(capsys):
-    for command in ("synth", "inspect", "sim", "timeline"):
+    for command in ("synth", "inspect", "sim", "bench", "timeline", "train"):
         with pytest.raises(SystemExit) as exit_:
             main([command, "--help"])
         assert exit_.value.code == 0

@@ -16,7 +16,13 @@ stop()                  actors and placement groups go
 Result keys: ``env_runners/episode_return_mean`` (mean reward of the runs the step trained),
 ``env_runners/num_episodes``, and ``xlong/<StepReport field>`` (``policy_version``,
 ``tokens_trained``, ``unique_tokens``, ``total_tokens``, ``trajectories_kept`` / ``_dropped``,
-``staleness_max``, ``cells_<role>``, ``gpu_busy_frac``, ``step_s``, ``elapsed_s``).
+``staleness_max``, ``cells_<role>``, ``gpu_busy_frac``, ``step_s``, ``elapsed_s``, ``runs``).
+They are nested dicts of the ``train()`` result, so Tune's loggers write them as RLlib users
+expect: ``tune.Tuner(XLongAlgorithm, param_space=config)`` → ``progress.csv`` columns
+``xlong/tokens_trained``…, ``result.json`` lines, and TensorBoard scalars
+``ray/tune/xlong/tokens_trained``… in the trial directory. Under Tune the trial reserves only
+the driver process (:meth:`XLongAlgorithm.default_resource_request`): the cells are placement
+groups the algorithm creates itself.
 
 Limits (said, not hidden): a checkpoint holds the trained state, not runs in flight or ended
 runs not trained yet (they are re-sampled after a restore, on fresh task instances); RLlib's
@@ -32,18 +38,25 @@ from typing import Any
 
 import ray
 from ray.rllib.algorithms.algorithm import Algorithm
+from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 from ray.rllib.callbacks.utils import make_callback
 from ray.rllib.utils import force_list
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.debug import update_global_seed_if_necessary
 from ray.rllib.utils.metrics import (ENV_RUNNER_RESULTS, EPISODE_RETURN_MEAN,
                                      NUM_ENV_STEPS_SAMPLED_LIFETIME, NUM_EPISODES)
+from ray.tune.execution.placement_groups import PlacementGroupFactory
 
 from ray_xlong.rllib.algorithm_config import XLongConfig
 from ray_xlong.rllib.stepping import StepReport, SteppingActuator
 
 XLONG = "xlong"
 """Result key of the xlong metrics."""
+STEP_METRICS = ("policy_version", "tokens_trained", "unique_tokens", "total_tokens",
+                "trajectories_kept", "trajectories_dropped", "staleness_max", "gpu_busy_frac",
+                "step_s", "elapsed_s", "runs")
+"""``result["xlong"][name]`` of every step (:class:`StepReport` fields; ``policy_version`` is
+``StepReport.version``), besides ``cells_<role>`` per role."""
 TRAINING_ITERATION = "training_iteration"
 
 
@@ -53,6 +66,16 @@ class XLongAlgorithm(Algorithm):
     @classmethod
     def get_default_config(cls) -> XLongConfig:
         return XLongConfig(cls)
+
+    @classmethod
+    def default_resource_request(cls, config) -> PlacementGroupFactory:
+        """What a Tune trial reserves: the driver process only. The cells (runner + Learner
+        each) are placement groups ``setup`` creates, so RLlib's env-runner and learner
+        bundles would reserve the same resources twice."""
+        if not isinstance(config, AlgorithmConfig):
+            config = cls.get_default_config().update_from_dict(config)
+        return PlacementGroupFactory([{"CPU": config.num_cpus_for_main_process,
+                                       **config.custom_resources_for_main_process}])
 
     def setup(self, config: XLongConfig) -> None:
         """Cells up, callbacks made, ``on_algorithm_init`` fired (no RLlib EnvRunnerGroup:
@@ -117,9 +140,7 @@ class XLongAlgorithm(Algorithm):
                     clear_on_reduce=True)
         m.log_value(NUM_ENV_STEPS_SAMPLED_LIFETIME, report.runs, reduce="sum")
         m.log_value((XLONG, "policy_version"), report.version, window=1)
-        for name in ("tokens_trained", "unique_tokens", "total_tokens", "trajectories_kept",
-                     "trajectories_dropped", "staleness_max", "gpu_busy_frac", "step_s",
-                     "elapsed_s", "runs"):
+        for name in STEP_METRICS[1:]:
             m.log_value((XLONG, name), getattr(report, name), window=1)
         for role, count in report.cells_by_role.items():
             m.log_value((XLONG, f"cells_{role}"), count, window=1)

@@ -7,6 +7,20 @@ set of checks serve both. Events are flat, frozen and JSON-serialisable: ``-1`` 
 that does not apply (a step event has no run).
 
 Invariants: ``time`` never decreases along a log; ``kind`` is one of :data:`KINDS`.
+
+Event log file (JSONL, :func:`to_jsonl` / :func:`from_jsonl`): one object per line with every
+field of :class:`Event`, ``-1`` / ``""`` where it does not apply::
+
+    {"time": 0.42, "kind": "run_started", "cell": 1, "run": 17, "group": 4, "step": -1,
+     "version": 3, "role": ""}
+    {"time": 0.97, "kind": "role", "cell": 1, "run": -1, "group": -1, "step": -1,
+     "version": -1, "role": "draining"}
+
+The time unit is the writer's: the simulator writes hours (``ray-xlong sim --events-dir``,
+``bench --backend sim``), the Ray driver wall seconds since its job started
+(``ray-xlong train --out`` → ``events.jsonl``, ``bench --backend ray --events-dir``; in the
+time-compressed long-horizon job one second is one task hour). ``ray-xlong timeline
+--time-unit`` labels the axis.
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ class Event:
     """One thing that happened; the input of a policy and one line of the event log."""
 
     time: float
-    """Hours since the start of the job."""
+    """Time since the start of the job: hours (simulator) or wall seconds (Ray driver)."""
     kind: str
     """One of :data:`KINDS`."""
     cell: int = -1

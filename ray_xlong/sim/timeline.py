@@ -76,6 +76,7 @@ def plot_timelines(logs: Mapping[str, Sequence[Event]], path: str, *, title: str
             if e.kind == "step_ended":
                 ax.axvline(e.time, color="black", lw=0.3, alpha=0.4)
         ax.set_ylabel(f"{mode}\ncell")
+        ax.yaxis.get_major_locator().set_params(integer=True)   # cells are whole numbers
         ax.invert_yaxis()
     axes[-1, 0].set_xlabel(time_unit)
     handles = [Patch(color=c, label=r) for r, c in COLORS.items()]

@@ -1,0 +1,253 @@
+"""The mode comparison on real Ray cells, side by side with the simulator on the same workload.
+
+Shared by ``benchmarks/modes_ray.py`` and ``ray-xlong bench --backend ray``::
+
+    connect (ray.init(address=...) or an embedded local Ray with logical GPUs)
+    pool = start_cells(config)                  placement groups created once, every mode reuses
+    cal = calibrate(config, pool)               one-step colocated job → the simulator's costs
+    for mode: RayActuator(mode's policy).run()  the real job          → RayResult
+              simulate(same policy, workload)   the predicted job     → SimResult
+    rows (makespans, ratios, switch / sync costs, invariant violations), event logs
+
+Every mode runs the same seeded long-horizon job (time-compressed: one task hour is one wall
+second), so the simulator reads the Ray seconds as its hours. Ratios: ``vs_elastic`` =
+makespan ÷ elastic's makespan (< 1 is faster than elastic), ``speedup_vs_colocated`` =
+colocated ÷ makespan. ``forecast`` is simulator-only for now: driven on Ray cells it stalls
+(a runner refuses ``start_runs`` while draining or asleep), so it is not offered here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+MODES = ("colocated", "async", "elastic")
+"""The paper's three modes."""
+ALL_MODES = MODES + ("colocated+streaming", "async+streaming")
+"""Every mode :func:`run_modes` can run (the streaming ablations too)."""
+
+SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, task steps,
+    # median tool latency (task seconds; 3600 = one wall second)
+    "smoke": dict(cells=2, steps=2, batch=2, group=2, slots=2, async_rollout=1, task_steps=3,
+                  median_s=720.0),
+    "quick": dict(cells=3, steps=3, batch=3, group=2, slots=2, async_rollout=2, task_steps=4,
+                  median_s=2160.0),
+    "full": dict(cells=4, steps=6, batch=4, group=2, slots=3, async_rollout=3, task_steps=6,
+                 median_s=2160.0),
+}
+"""Job sizes: ``smoke`` (CI, ~1 min), ``quick`` (a few minutes), ``full``."""
+
+
+def build_config(size: dict, *, model_dir: str, seed: int):
+    """The job of a size: ``task_steps`` tool calls of median ``median_s`` task seconds each,
+    heavy-tailed (sigma 1), a run capped at 2.5 × task_steps × the median (wall clock)."""
+    from ray_xlong.rllib.cells import CellLayout
+    from ray_xlong.rllib.config import CellJobConfig
+    from ray_xlong.rllib.learner import LearnerSettings
+    from ray_xlong.rllib.long_horizon_job import LongHorizonJob
+    from ray_xlong.rollout import HarnessConfig
+    from ray_xlong.rollout.tasks import LongHorizonConfig
+    from ray_xlong.scheduling import SchedulingConfig
+
+    timeout = 2.5 * size["task_steps"] * size["median_s"] / 3600
+    work = LongHorizonJob(task=LongHorizonConfig(
+        num_steps=size["task_steps"], latency_median_s=size["median_s"], latency_sigma=1.0,
+        time_scale=1 / 3600), seed=seed)
+    return CellJobConfig(
+        mode="colocated",
+        job=SchedulingConfig(total_steps=size["steps"], batch_groups=size["batch"],
+                             runs_per_group=size["group"], staleness_bound=1),
+        layout=CellLayout(cells=size["cells"], nodes_per_cell=1, gpus_per_node=1),
+        learner=LearnerSettings(model_dir=model_dir, lr=1e-4), slots_per_cell=size["slots"],
+        async_rollout_cells=size["async_rollout"], work=work,
+        harness=HarnessConfig(max_new_tokens=32, wall_clock_s=timeout, tool_timeout_s=timeout))
+
+
+def calibrate(config, pool) -> dict:
+    """A one-step colocated job on a different seed: the simulator's cost model, measured."""
+    from ray_xlong.rllib.driver import run_job
+    from ray_xlong.rllib.long_horizon_job import predicted_durations
+    from ray_xlong.scheduling import SchedulingConfig
+
+    job = SchedulingConfig(1, 1, config.job.runs_per_group, 0)
+    work = dataclasses.replace(config.work, seed=config.work.seed + 10_000)
+    cal = dataclasses.replace(config, job=job, work=work, mode="colocated")
+    result = run_job(cal, pool)
+    starts = {e.run: e.time for e in result.events if e.kind == "run_started"}
+    took = {e.run: e.time - starts[e.run] for e in result.events if e.kind == "run_ended"}
+    tool = predicted_durations(work, runs=job.total_runs, call_s=0.0, timeout_s=1e9)
+    calls = predicted_durations(work, runs=1, call_s=1.0, timeout_s=1e9)[0] - tool[0]
+    whole = [r for r in took if tool[r] < config.harness.wall_clock_s]  # not timed out
+    per_call = [(took[r] - tool[r]) / calls for r in whole]
+    t = result.timings
+    return {
+        "call_s": max(0.0, statistics.fmean(per_call)) if per_call else 0.0,
+        "train_tokens_per_s": sum(t["micro_batch_targets"]) / sum(t["micro_batch_s"]),
+        "tokens_per_run": sum(t["micro_batch_targets"]) / job.total_runs,
+        "switch_s": statistics.fmean(t["switch_s"]),
+        "sync_s": statistics.fmean(t["sync_s"]) if t.get("sync_s") else 0.0,
+        "step_finish_s": statistics.fmean(t["step_finish_s"]),
+    }
+
+
+def sim_inputs(config, cal: dict):
+    """Workload, cluster and costs of the job for the simulator (seconds as its hours)."""
+    from ray_xlong.rllib.long_horizon_job import predicted_durations
+    from ray_xlong.sim.cluster import ClusterConfig, CostConfig
+    from ray_xlong.sim.workload import Workload
+
+    n = config.job.total_runs
+    durations = predicted_durations(config.work, runs=n, call_s=cal["call_s"],
+                                    timeout_s=config.harness.wall_clock_s)
+    workload = Workload(tuple(durations), (cal["tokens_per_run"],) * n, config.job.runs_per_group)
+    lay = config.layout
+    cluster = ClusterConfig(cells=lay.cells, nodes_per_cell=lay.nodes_per_cell,
+                            gpus_per_node=lay.gpus_per_node, slots_per_cell=config.slots_per_cell)
+    costs = CostConfig(train_tokens_per_cell_h=cal["train_tokens_per_s"],
+                       step_fixed_h=cal["step_finish_s"], to_train_h=cal["switch_s"],
+                       sync_h=cal["sync_s"])
+    return workload, cluster, costs
+
+
+def run_modes(config, pool, modes, cal: dict, *,
+              on_mode: Callable[[str], None] | None = None) -> tuple[dict, dict, float]:
+    """Every mode on Ray and in the simulator.
+
+    Returns:
+        ``(rows, logs, lower bound s)``: ``rows[mode]`` is a dict of measurements (see
+        :func:`table`), ``logs[mode] = (ray events, simulator events)``.
+    """
+    from ray_xlong.rllib.config import make_policy
+    from ray_xlong.rllib.driver import run_job
+    from ray_xlong.rllib.metrics import check_invariants
+    from ray_xlong.sim.metrics import lower_bound_h
+    from ray_xlong.sim.simulator import simulate
+
+    workload, cluster, costs = sim_inputs(config, cal)
+    lb = lower_bound_h(workload=workload, cluster=cluster, costs=costs, config=config.job)
+    rows, logs = {}, {}
+    for mode in modes:
+        if on_mode is not None:
+            on_mode(mode)
+        cfg = dataclasses.replace(config, mode=mode)
+        real = run_job(cfg, pool)
+        sim = simulate(make_policy(cfg), workload=workload, cluster=cluster, costs=costs,
+                       config=cfg.job)
+        rows[mode] = _row(real, sim, lb, check_invariants(
+            real, staleness_bound=cfg.job.staleness_bound))
+        logs[mode] = (real.events, sim.events)
+    for row in rows.values():
+        base = rows.get("colocated", row)["makespan_s"]
+        row["speedup_vs_colocated"] = base / row["makespan_s"]
+        row["vs_elastic"] = row["makespan_s"] / rows.get("elastic", row)["makespan_s"]
+        row["sim_vs_elastic"] = row["sim_makespan_s"] / rows.get("elastic", row)["sim_makespan_s"]
+    return rows, logs, lb
+
+
+def _row(real, sim, lb: float, violations: list[str]) -> dict:
+    t = real.timing_summary()
+    return {
+        "makespan_s": real.makespan_s, "sim_makespan_s": sim.makespan_h,
+        "sim_vs_real": sim.makespan_h / real.makespan_s - 1.0,
+        "gpu_busy_frac": real.gpu_busy_frac, "sim_gpu_busy_frac": 1.0 - sim.gpu_idle_frac,
+        "over_lower_bound": real.makespan_s / lb,
+        "switch_s_mean": t.get("switch_s_mean", 0.0), "switch_s_max": t.get("switch_s_max", 0.0),
+        "sync_s_mean": t.get("sync_s_mean", 0.0), "sync_s_max": t.get("sync_s_max", 0.0),
+        "step_finish_s_mean": t.get("step_finish_s_mean", 0.0),
+        "role_switches": int(t.get("switch_s_count", 0) + t.get("sync_s_count", 0)),
+        "staleness_max": max(real.staleness), "token_staleness_max": real.token_staleness_max,
+        "violations": violations, "placement_groups_created": real.placement_groups_created,
+    }
+
+
+def table(rows: dict) -> str:
+    """Markdown table of the mode rows (ratios measured side by side in one run)."""
+    head = ("| mode | makespan s | sim s | sim/real − 1 | ÷ elastic (sim) | × vs colocated | "
+            "÷ lower bound | GPU busy (sim) | switch ms mean/max | sync ms mean/max | "
+            "step finish ms |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for mode, r in rows.items():
+        lines.append(
+            f"| {mode} | {r['makespan_s']:.2f} | {r['sim_makespan_s']:.2f} | "
+            f"{r['sim_vs_real']:+.1%} | {r['vs_elastic']:.2f} ({r['sim_vs_elastic']:.2f}) | "
+            f"{r['speedup_vs_colocated']:.2f} | "
+            f"{r['over_lower_bound']:.2f} | {r['gpu_busy_frac']:.2f} "
+            f"({r['sim_gpu_busy_frac']:.2f}) | {1e3 * r['switch_s_mean']:.0f}/"
+            f"{1e3 * r['switch_s_max']:.0f} | {1e3 * r['sync_s_mean']:.0f}/"
+            f"{1e3 * r['sync_s_max']:.0f} | {1e3 * r['step_finish_s_mean']:.0f} |")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModesRun:
+    """One comparison on Ray cells."""
+
+    summary: dict
+    """JSON-ready: ``seed``, ``size``, ``job``, ``cells``, ``slots_per_cell``,
+    ``lower_bound_s``, ``calibration``, ``cells_startup_s``, ``wall_s``, ``modes`` (rows)."""
+    logs: dict
+    """``mode -> (ray events, simulator events)``."""
+
+
+def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = None,
+                   model_dir: str | None = None,
+                   on_mode: Callable[[str], None] | None = None) -> ModesRun:
+    """Connect to Ray, build cells once, calibrate, run ``modes``; cells (and a Ray started
+    here) go after.
+
+    Args:
+        size: a key of :data:`SIZES`.
+        seed: workload seed.
+        modes: subset of :data:`ALL_MODES`, run in this order.
+        address: a Ray cluster to join (``"auto"`` after ``ray start``); None starts an
+            embedded local Ray with one logical GPU per cell. A Ray this process is already
+            connected to is used as it is (and left running).
+        model_dir: the policy (a HF causal-LM directory every node can read); None builds a
+            tiny local one (fine on one machine, not on a multi-node cluster).
+        on_mode: called with each mode's name before it runs (progress).
+
+    Returns:
+        :class:`ModesRun`.
+    """
+    import ray
+
+    from ray_xlong.models import build_tiny_model_dir
+    from ray_xlong.rllib.driver import start_cells
+
+    if size not in SIZES:
+        raise ValueError(f"size: unknown {size!r}; choose from {sorted(SIZES)}")
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad:
+        raise ValueError(f"modes: unknown {bad}; choose from {ALL_MODES}")
+    s = SIZES[size]
+    tmp = tempfile.mkdtemp(prefix="rx", dir="/tmp")       # Ray socket paths stay short
+    t0 = time.perf_counter()
+    owned = not ray.is_initialized()                       # a connected Ray is used as is
+    if owned and address is not None:
+        ray.init(address=address, log_to_driver=False)
+    elif owned:
+        os.environ.setdefault("RAY_TMPDIR", tmp)
+        ray.init(num_cpus=s["cells"], num_gpus=s["cells"], include_dashboard=False,
+                 log_to_driver=False)
+    try:
+        if model_dir is None:
+            model_dir = str(build_tiny_model_dir(f"{tmp}/m", seed=0))
+        config = build_config(s, model_dir=model_dir, seed=seed)
+        pool = start_cells(config)
+        try:
+            cal = calibrate(config, pool)
+            rows, logs, lb = run_modes(config, pool, modes, cal, on_mode=on_mode)
+        finally:
+            pool.shutdown()
+    finally:
+        if owned:
+            ray.shutdown()
+    summary = {"seed": seed, "size": size, "job": dataclasses.asdict(config.job),
+               "cells": s["cells"], "slots_per_cell": s["slots"], "lower_bound_s": lb,
+               "calibration": cal, "cells_startup_s": pool.startup_s,
+               "wall_s": time.perf_counter() - t0, "modes": rows}
+    return ModesRun(summary, logs)
