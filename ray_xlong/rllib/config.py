@@ -62,9 +62,10 @@ class CellJobConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"CellJobConfig.mode must be one of {MODES}, got {self.mode!r}")
-        if self.slots_per_cell < 1:
-            raise ValueError(f"CellJobConfig.slots_per_cell must be >= 1, "
-                             f"got {self.slots_per_cell!r}")
+        for name in ("slots_per_cell", "async_rollout_cells"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CellJobConfig.{name} must be an int >= 1, got {value!r}")
         if self.mode.startswith("async") and not 1 <= self.async_rollout_cells < self.layout.cells:
             raise ValueError(f"CellJobConfig.async_rollout_cells must be in [1, cells-1] = "
                              f"[1, {self.layout.cells - 1}], got {self.async_rollout_cells!r}")

@@ -40,13 +40,16 @@ A module whose runs all failed still gets a module batch (zero targets; the fail
 metrics).
 
 Invariants: nothing is dropped silently (an episode without a run, a malformed run, a module id
-already in the batch raise, naming the episode / run / module); the tensors equal those of
+already in the batch raise, naming the episode / run / module; with
+``ProcessorConfig(on_malformed_run="skip")`` a malformed run is left out, counted in
+``xlong/runs_malformed`` and logged as a warning with its error); the tensors equal those of
 ``TrajectoryProcessor(config).process(runs)`` run directly on the same runs.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Mapping
 
 import gymnasium as gym
@@ -56,6 +59,8 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from ray_xlong.rllib.episodes import runs_by_module
 from ray_xlong.trajectory import BatchStats, PackedBatch, ProcessorConfig, TrajectoryProcessor
+
+logger = logging.getLogger(__name__)
 
 LAYOUT_CODES: tuple[str, ...] = ("tree", "per_trajectory")
 """``batch[module_id]["layout"]`` holds the index of the layout in this tuple."""
@@ -72,6 +77,7 @@ METRIC_KEYS: dict[str, str] = {
     "runs": "xlong/runs",
     "runs_timeout": "xlong/runs_timeout",
     "runs_failed": "xlong/runs_failed",
+    "runs_malformed": "xlong/runs_malformed",
     "trajectories_kept": "xlong/trajectories_kept",
     "trajectories_dropped": "xlong/trajectories_dropped",
     "total_tokens": "xlong/total_tokens",
@@ -134,6 +140,9 @@ class PrefixTreeConnector(ConnectorV2):
                 raise ValueError(f"PrefixTreeConnector: batch already has an entry for module "
                                  f"{module_id!r}; this piece must be the one that builds it")
             result = self._processor.process(runs)
+            for run_id, error in result.malformed.items():
+                logger.warning("PrefixTreeConnector: module %r: malformed run %r left out: %s",
+                               module_id, run_id, error)
             batch[module_id] = batch_from_packed(result.packed)
             if metrics is not None:
                 log_stats(metrics, module_id=module_id, stats=result.stats, packed=result.packed)

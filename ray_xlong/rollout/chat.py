@@ -90,9 +90,28 @@ class ChatFormat:
 
     def tool_result(self, text: str, *, max_tokens: int) -> np.ndarray:
         """``[tool] text [end] [assistant]``; text cut to ``max_tokens`` ids (marked)."""
-        ids = self.encode(text[:max_tokens * 16])
-        if ids.size > max_tokens:
+        return self.wrap_tool_result(self.cut_tool_text(text, max_tokens=max_tokens)[0])
+
+    def cut_tool_text(self, text: str, *, max_tokens: int) -> tuple[np.ndarray, bool]:
+        """Tool output text → at most ``max_tokens`` ids, plus `` [truncated]`` when it was cut.
+
+        Only the first ``16 * max_tokens`` characters are tokenized (a flood of megabytes costs
+        no more than a short output); a cut there is marked too. Lone surrogates (not UTF-8)
+        become ``?`` instead of failing the tokenizer.
+
+        Returns:
+            ``(ids [<= max_tokens + marker], truncated)``.
+        """
+        limit = max_tokens * 16
+        head = text[:limit].encode("utf-8", "replace").decode("utf-8")
+        ids = self.encode(head)
+        truncated = len(text) > limit or ids.size > max_tokens
+        if truncated:
             ids = np.concatenate([ids[:max_tokens], self.encode(" [truncated]")])
+        return ids.astype(np.int64, copy=False), truncated
+
+    def wrap_tool_result(self, ids: np.ndarray) -> np.ndarray:
+        """``[tool] ids [end] [assistant]``."""
         return np.concatenate([[_ID["tool"]], ids, [self.end, _ID["assistant"]]]).astype(np.int64)
 
     def compacted(self, prompt_ids: np.ndarray, summary_ids: np.ndarray) -> np.ndarray:

@@ -16,7 +16,25 @@ One run (``Harness.run``) is an asyncio task::
       └─ engine error ─► retried up to max_engine_retries, then the run is failed
 
 Ends: ``finished`` (answer), ``timeout`` (wall clock, generated-token budget, call budget or a
-full context: scored on the partial state), ``failed`` (engine or environment broke; reward 0).
+full context: scored on the partial state), ``failed`` (engine or environment broke, or scoring
+failed; reward 0). ``RunInfo.error`` says why a run failed.
+
+Hard inputs (each a recorded outcome, never a hang, a crash of ``run_many`` or a silent drop):
+
+* tool hangs: cut at ``tool_timeout_s`` without waiting for the tool to honour its
+  cancellation (``limits.bounded``); a tool that swallows ``CancelledError`` is abandoned, not awaited.
+  An ``async`` ``call_tool`` must not block the event loop (it is shared by all runs); a *sync*
+  ``call_tool`` is allowed and runs in its own daemon thread, so one that blocks forever costs a
+  thread, never the loop or the shared executor the engine uses (``limits.in_thread``);
+* tool raises (``ToolError`` or anything else): an ``error: ...`` tool result, the run goes on
+  (``RunInfo.tool_errors``); ``TaskFailure`` fails the run;
+* tool floods: cut to ``max_tool_output_tokens`` ids with a ``[truncated]`` marker
+  (``RunInfo.tool_truncations``); only a bounded head of the text is tokenized;
+* engine raises or returns a malformed result (logprob count, NaN, negative id): retried up to
+  ``max_engine_retries`` times, then ``failed`` / ``engine_error`` with the error; a
+  ``ValueError`` (a request the engine rejects) fails at once;
+* ``reset`` / ``submit`` raise: ``failed`` / ``task_failure``; ``score`` raises, hangs past
+  ``score_timeout_s`` or is not finite: ``failed`` / ``score_error``.
 
 Token exactness: a call's ``input_ids`` is the view ``ctx[:n]`` of the agent's buffer that was
 sent to the engine, its ``output_ids`` the engine's ids (a view of the buffer once appended, the
@@ -27,15 +45,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
+from typing import Any, Callable
 
 import numpy as np
 
 from ray_xlong.rollout.chat import Answer, ChatFormat, Malformed, ToolCall
 from ray_xlong.rollout.context import Context, ContextFull
 from ray_xlong.rollout.engine import Engine, EngineError, GenerateResult, SamplingConfig
+from ray_xlong.rollout.limits import bounded, call_tool, in_thread
 from ray_xlong.rollout.tasks.base import TaskEnv, TaskFailure, ToolError
-from ray_xlong.trajectory import AgentRun, ModelCall
+from ray_xlong.trajectory import AgentRun, ModelCall, RecordError
+from ray_xlong.trajectory.records import as_logprobs, as_token_array
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,9 +89,11 @@ class HarnessConfig:
     max_engine_retries: int = 2
     """Engine errors retried per call before the run fails."""
     tool_timeout_s: float = 30.0
-    """Time limit of one tool call."""
+    """Time limit of one tool call (finite)."""
     max_tool_output_tokens: int = 256
     """Tool output kept, in tokens."""
+    score_timeout_s: float = 300.0
+    """Time limit of scoring a run (``env.score``, finite); passing it fails the run."""
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "context_capacity", "compaction_budget",
@@ -82,9 +106,12 @@ class HarnessConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"HarnessConfig.{name} must be an int >= 0, got {value!r}")
-        for name in ("wall_clock_s", "tool_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"HarnessConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("wall_clock_s", "tool_timeout_s", "score_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value < math.inf:
+                raise ValueError(f"HarnessConfig.{name} must be a finite number > 0 (an "
+                                 f"unbounded wait could hang a run), got {value!r}")
         if not self.temperature >= 0:
             raise ValueError(f"HarnessConfig.temperature must be >= 0, got {self.temperature!r}")
         if self.compaction_budget + self.max_new_tokens + self.max_tool_output_tokens + 8 \
@@ -99,7 +126,7 @@ class RunInfo:
 
     stop_reason: str
     """``answer`` | ``wall_clock`` | ``token_budget`` | ``call_budget`` | ``context_full`` |
-    ``engine_error`` | ``task_failure``."""
+    ``engine_error`` | ``task_failure`` | ``score_error``."""
     retries: int
     """Malformed outputs retried."""
     engine_retries: int
@@ -114,6 +141,8 @@ class RunInfo:
     """Wall-clock seconds of the run."""
     error: str | None = None
     """The error that failed the run, if any."""
+    tool_truncations: int = 0
+    """Tool results cut to ``max_tool_output_tokens``."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -154,7 +183,7 @@ class _RunState:
         self.start = time.monotonic()
         self.generated = 0
         self.counts = dict(retries=0, engine_retries=0, compactions=0, subagents=0,
-                           tool_errors=0)
+                           tool_errors=0, tool_truncations=0)
 
     def record(self, agent: _Agent, kind: str, inp: np.ndarray, out: np.ndarray,
                result: GenerateResult, started: float) -> None:
@@ -183,16 +212,15 @@ class Harness:
         state = _RunState(run_id, self.config)
         status, reason, error = "finished", "answer", None
         try:
-            obs = env.reset()
+            obs = _task_step(env.reset, "reset")
             prompt = self.chat.prompt(obs.system, obs.prompt)
             main = _Agent("main", "main", None, 0, prompt,
                           Context(prompt, capacity=self.config.context_capacity),
                           self.config.max_calls)
-            answer = await asyncio.wait_for(self._agent(state, env, main),
-                                            self.config.wall_clock_s)
+            answer = await bounded(self._agent(state, env, main), self.config.wall_clock_s)
             if answer is None:
                 raise _Stop("timeout", "call_budget")
-            env.submit(answer)
+            _task_step(env.submit, "submit", answer)
         except _Stop as stop:
             status, reason, error = stop.status, stop.reason, stop.error
         except asyncio.TimeoutError:
@@ -203,15 +231,25 @@ class Harness:
             status, reason, error = "failed", "task_failure", repr(exc)
         reward = 0.0
         if status != "failed":
-            reward = await self._score(env)
+            try:
+                reward = await self._score(env)
+            except _Stop as stop:
+                status, reason, error = stop.status, stop.reason, stop.error
         info = RunInfo(reason, elapsed_s=time.monotonic() - state.start, error=error,
                        **state.counts)
         return RunResult(AgentRun(run_id, group_id, state.calls, reward, status), info)
 
     async def _score(self, env: TaskEnv) -> float:
-        score = float(await asyncio.to_thread(env.score))
-        if not np.isfinite(score):
-            raise ValueError(f"task score must be finite, got {score}")
+        """``env.score()`` in its own thread under ``score_timeout_s``; trouble → _Stop."""
+        limit = self.config.score_timeout_s
+        try:
+            score = float(await bounded(in_thread(env.score), limit))
+        except asyncio.TimeoutError:
+            raise _Stop("failed", "score_error", f"env.score took over {limit:g} s") from None
+        except Exception as exc:  # noqa: BLE001 - recorded on the run
+            raise _Stop("failed", "score_error", f"env.score raised {exc!r}") from exc
+        if not math.isfinite(score):
+            raise _Stop("failed", "score_error", f"env.score must be finite, got {score}")
         return score
 
     async def _agent(self, state: _RunState, env: TaskEnv, agent: _Agent) -> str | None:
@@ -236,8 +274,9 @@ class Harness:
             if isinstance(action, Answer):
                 return action.text
             text = await self._act(state, env, agent, action)
-            agent.ctx.append(self.chat.tool_result(
-                text, max_tokens=self.config.max_tool_output_tokens))
+            ids, cut = self.chat.cut_tool_text(text, max_tokens=self.config.max_tool_output_tokens)
+            state.counts["tool_truncations"] += int(cut)
+            agent.ctx.append(self.chat.wrap_tool_result(ids))
         return None
 
     async def _act(self, state: _RunState, env: TaskEnv, agent: _Agent,
@@ -248,8 +287,8 @@ class Harness:
         if action.name == "subagent":
             return await self._subagent(state, env, agent, action.args)
         try:
-            return str(await asyncio.wait_for(env.call_tool(action.name, action.args),
-                                              self.config.tool_timeout_s))
+            return str(await bounded(call_tool(env, action.name, action.args),
+                                      self.config.tool_timeout_s))
         except TaskFailure:
             raise
         except asyncio.TimeoutError:
@@ -297,13 +336,14 @@ class Harness:
             started = time.time()
             try:
                 result = await self.engine.generate(inp, sampling=sampling)
-            except EngineError as exc:
+                _check_result(result, max_tokens=max_tokens)
+            except ValueError as exc:  # the engine rejected the request: retrying cannot help
+                raise _Stop("failed", "engine_error", repr(exc)) from exc
+            except Exception as exc:  # noqa: BLE001 - EngineError, a dead actor, a bad result
                 if attempt == self.config.max_engine_retries:
                     raise _Stop("failed", "engine_error", repr(exc)) from exc
                 state.counts["engine_retries"] += 1
                 continue
-            except ValueError as exc:
-                raise _Stop("failed", "engine_error", repr(exc)) from exc
             state.generated += int(result.output_ids.size)
             return result, started
         raise AssertionError("unreachable")
@@ -315,3 +355,29 @@ class Harness:
             raise ValueError("run_many: envs, run_ids and group_ids must have one entry each")
         return list(await asyncio.gather(*(self.run(e, run_id=r, group_id=g)
                                            for e, r, g in zip(envs, run_ids, group_ids))))
+
+
+def _check_result(result: GenerateResult, *, max_tokens: int) -> None:
+    """Raise :class:`EngineError` when an engine answer could not be recorded token-exactly."""
+    try:
+        out = as_token_array(result.output_ids, field="output_ids", where="engine result",
+                             allow_empty=True)
+        as_logprobs(result.output_logprobs, n=out.size, where="engine result")
+        version = result.policy_version
+    except RecordError as exc:
+        raise EngineError(f"malformed engine result: {exc}") from None
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+        raise EngineError(f"malformed engine result: policy_version {version!r}")
+    if out.size > max_tokens:
+        raise EngineError(f"malformed engine result: {out.size} output ids for max_tokens "
+                          f"{max_tokens}")
+
+
+def _task_step(fn: Callable[..., Any], name: str, *args: Any) -> Any:
+    """Call a task method; anything it raises but :class:`TaskFailure` becomes one."""
+    try:
+        return fn(*args)
+    except TaskFailure:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a broken environment fails its run only
+        raise TaskFailure(f"env.{name} raised {exc!r}") from exc

@@ -12,13 +12,13 @@ from ray_xlong.trajectory.packing import PackedBatch, pack
 from ray_xlong.trajectory.processor import (BatchStats, ProcessorConfig, TrajectoryBatch,
                                             TrajectoryProcessor)
 from ray_xlong.trajectory.records import (CALL_KINDS, RUN_STATUSES, AgentRun, ModelCall,
-                                          RecordError)
+                                          RecordError, check_run)
 from ray_xlong.trajectory.selection import select
 from ray_xlong.trajectory.tree import PrefixTree
 
 __all__ = [
     "AgentRun", "BatchStats", "CALL_KINDS", "GeneratedSpan", "LossConfig", "ModelCall",
     "PackedBatch", "PrefixTree", "ProcessorConfig", "RUN_STATUSES", "RecordError", "Trajectory",
-    "TrajectoryBatch", "TrajectoryProcessor", "assemble", "group_advantages", "pack",
-    "policy_loss", "select",
+    "TrajectoryBatch", "TrajectoryProcessor", "assemble", "check_run", "group_advantages",
+    "pack", "policy_loss", "select",
 ]

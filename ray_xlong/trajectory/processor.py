@@ -11,6 +11,13 @@ Usable alone (no Ray)::
 ``failed`` runs are validated, reported (``stats.runs_failed``, ``failed_run_ids``) and neither
 trained nor part of their group's baseline (see ``advantages.py``); ``timeout`` runs are trained
 like finished ones with their partial reward.
+
+Malformed runs: every run is checked again (``records.check_run``: it may come unpickled from
+another process, where construction checks did not run), and every assembled trajectory's ids are
+range-checked (they hold every input id, so this costs O(trajectory tokens), not O(Σ inputs)).
+A bad run raises :class:`RecordError` naming the run, call and field — or, with
+``on_malformed_run="skip"``, is left out like a failed run and reported (``stats.runs_malformed``,
+``malformed``: run id → the error). Never silently.
 """
 
 from __future__ import annotations
@@ -18,10 +25,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Sequence
 
+import numpy as np
+
 from ray_xlong.trajectory.advantages import group_advantages
 from ray_xlong.trajectory.assembly import Trajectory, assemble
 from ray_xlong.trajectory.packing import PackedBatch, RunPiece, pack
-from ray_xlong.trajectory.records import AgentRun, RecordError
+from ray_xlong.trajectory.records import AgentRun, RecordError, check_run
 from ray_xlong.trajectory.selection import select
 from ray_xlong.trajectory.tree import PrefixTree
 
@@ -46,6 +55,11 @@ class ProcessorConfig:
     """Tree layout: token budget per row (a bigger run gets its own row; None = a row per run)."""
     pad_token_id: int = 0
     """Id written into padding."""
+    vocab_size: int | None = None
+    """When set, a run holding an id ``>= vocab_size`` is malformed (None: not checked)."""
+    on_malformed_run: Literal["raise", "skip"] = "raise"
+    """``raise``: a malformed run raises :class:`RecordError`; ``skip``: it is left out of the
+    batch (and its group's baseline) and counted in ``stats.runs_malformed``."""
 
     def __post_init__(self) -> None:
         k = self.max_trajectories_per_run
@@ -65,6 +79,15 @@ class ProcessorConfig:
         if not isinstance(self.pad_token_id, int) or self.pad_token_id < 0:
             raise ValueError(f"ProcessorConfig.pad_token_id must be an int >= 0, "
                              f"got {self.pad_token_id!r}")
+        v = self.vocab_size
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"ProcessorConfig.vocab_size must be None or an int >= 1, got {v!r}")
+        if v is not None and self.pad_token_id >= v:
+            raise ValueError(f"ProcessorConfig.pad_token_id ({self.pad_token_id}) must be < "
+                             f"vocab_size ({v})")
+        if self.on_malformed_run not in ("raise", "skip"):
+            raise ValueError(f"ProcessorConfig.on_malformed_run must be 'raise' or 'skip', "
+                             f"got {self.on_malformed_run!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,6 +114,8 @@ class BatchStats:
     """Σ of kept trajectories' loss weights (= ``trainable_tokens`` by count-once)."""
     trajectory_trainable_tokens: int
     """Σ over kept trajectories of tokens trainable in them (shared ones counted per path)."""
+    runs_malformed: int = 0
+    """Runs left out because they were malformed (``on_malformed_run="skip"``)."""
 
     @property
     def dedup_ratio(self) -> float:
@@ -116,6 +141,8 @@ class TrajectoryBatch:
     """Tensors for training (None when ``pack="none"``)."""
     stats: BatchStats
     """Counts (see :class:`BatchStats`)."""
+    malformed: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Runs left out as malformed (``on_malformed_run="skip"``): run id → the error."""
 
     def __repr__(self) -> str:
         s = self.stats
@@ -144,11 +171,12 @@ class TrajectoryProcessor:
             tensors and stats.
         """
         _check_runs(runs)
-        trained = [r for r in runs if r.status != "failed"]
+        assembled, malformed = self._checked(runs)
+        trained = [r for r in runs if r.status != "failed" and r.run_id not in malformed]
         advantages = group_advantages(trained, normalize_std=self.config.normalize_std)
         pieces, kept_all, dropped_all = [], [], []
         for run in trained:
-            kept, dropped = select(assemble(run), self.config.max_trajectories_per_run)
+            kept, dropped = select(assembled[run.run_id], self.config.max_trajectories_per_run)
             tree = PrefixTree.build(run.run_id, kept, dropped)
             kept = [dataclasses.replace(t, loss_weights=tree.loss_weights(i, t.num_tokens))
                     for i, t in enumerate(kept)]
@@ -160,11 +188,32 @@ class TrajectoryProcessor:
             packed = pack(pieces, layout=self.config.pack, loss_norm=self.config.loss_norm,
                           row_tokens=self.config.row_tokens,
                           pad_token_id=self.config.pad_token_id)
-        failed = tuple(r.run_id for r in runs if r.status == "failed")
-        stats = _stats(pieces, dropped_all, failed)
+        failed = tuple(r.run_id for r in runs if r.status == "failed"
+                       and r.run_id not in malformed)
+        stats = dataclasses.replace(_stats(pieces, dropped_all, failed),
+                                    runs_malformed=len(malformed))
         return TrajectoryBatch(tuple(kept_all), tuple(dropped_all),
                                {p.run.run_id: p.tree for p in pieces}, advantages, failed,
-                               packed, stats)
+                               packed, stats, malformed)
+
+    def _checked(self, runs: Sequence[AgentRun]) -> tuple[dict[str, list[Trajectory]],
+                                                           dict[str, str]]:
+        """Check every run; assemble the trained ones. Returns (run id → trajectories,
+        run id → error of each skipped malformed run); raises in ``raise`` mode."""
+        assembled: dict[str, list[Trajectory]] = {}
+        malformed: dict[str, str] = {}
+        for run in runs:
+            try:
+                check_run(run, vocab_size=self.config.vocab_size, scan_inputs=False)
+                if run.status != "failed":
+                    assembled[run.run_id] = assemble(run)
+                    _check_trajectory_ids(run, assembled[run.run_id], self.config.vocab_size)
+            except RecordError as exc:
+                if self.config.on_malformed_run == "raise":
+                    raise
+                assembled.pop(run.run_id, None)
+                malformed[run.run_id] = str(exc)
+        return assembled, malformed
 
 
 def _check_runs(runs: Sequence[AgentRun]) -> None:
@@ -175,6 +224,19 @@ def _check_runs(runs: Sequence[AgentRun]) -> None:
         if run.run_id in seen:
             raise RecordError(f"run {run.run_id!r}: run_id is duplicated in the batch")
         seen.add(run.run_id)
+
+
+def _check_trajectory_ids(run: AgentRun, trajectories: list[Trajectory],
+                          vocab_size: int | None) -> None:
+    """Range-check the ids of a run's trajectories (they hold every input and output id); on a
+    bad id, find and name the call (``check_run`` with every input scanned)."""
+    hi_ok = vocab_size if vocab_size is not None else np.iinfo(np.int64).max
+    for t in trajectories:
+        ids = t.token_ids
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= hi_ok):
+            check_run(run, vocab_size=vocab_size, scan_inputs=True)
+            raise RecordError(f"run {run.run_id!r}: trajectory {t.index} (agent "
+                              f"{t.agent_id!r}) holds an id outside [0, {hi_ok})")
 
 
 def _stats(pieces: list[RunPiece], dropped: list[Trajectory], failed: tuple[str, ...]):

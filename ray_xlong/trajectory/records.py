@@ -11,7 +11,7 @@ Invariants (checked at construction; every error names the field and the run / c
   numpy arrays (no copy, so a paper-scale run whose inputs are views of one growing context stays
   one buffer); lists are converted once to ``int64`` arrays. Nothing is ever re-tokenized.
 * ``len(output_logprobs) == len(output_ids)``; logprobs are finite and ``<= 0``.
-* Ids are non-negative integers; ``input_ids`` is never empty.
+* Ids are non-negative integers that fit int64; ``input_ids`` is never empty.
 * ``kind`` is one of :data:`CALL_KINDS`; a ``subagent`` call names its ``parent_agent_id``;
   within a run, parents exist, call ids are unique, an agent's calls of one kind name one
   parent.
@@ -19,6 +19,9 @@ Invariants (checked at construction; every error names the field and the run / c
 
 Arrays are marked read-only on the record (a view is made when the caller's array is writable,
 so the caller's own buffer is left as it was).
+
+A run that reached its consumer without construction (unpickled: ``__post_init__`` does not run;
+a field overwritten) is checked again by :func:`check_run`, which the trajectory processor calls.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def _where(run_id: str | None, call_id: str | None) -> str:
     return ", ".join(parts) or "record"
 
 
-def as_token_array(ids: object, *, field: str, where: str, allow_empty: bool) -> np.ndarray:
+def as_token_array(ids: object, *, field: str, where: str, allow_empty: bool,
+                   scan: bool = True, vocab_size: int | None = None) -> np.ndarray:
     """Validate token ids and return them as a read-only 1-D integer array.
 
     Args:
@@ -57,6 +61,9 @@ def as_token_array(ids: object, *, field: str, where: str, allow_empty: bool) ->
         field: the field name, for errors.
         where: the run / call, for errors.
         allow_empty: whether ``n == 0`` is valid.
+        scan: whether to check the values (no negative id, none ``>= vocab_size``); False
+            checks type, dtype and shape only (O(1)).
+        vocab_size: when given (and ``scan``), ids must be ``< vocab_size``.
 
     Returns:
         A read-only ``[n]`` integer array; the caller's array itself when it already was one
@@ -79,9 +86,24 @@ def as_token_array(ids: object, *, field: str, where: str, allow_empty: bool) ->
         raise RecordError(f"{where}: {field} must be 1-D, got shape {arr.shape}")
     if arr.size == 0 and not allow_empty:
         raise RecordError(f"{where}: {field} is empty")
-    if arr.size and arr.dtype.kind == "i" and arr.min() < 0:
-        raise RecordError(f"{where}: {field} holds a negative id ({int(arr.min())})")
+    if scan and arr.size:
+        _check_id_range(arr, field=field, where=where, vocab_size=vocab_size)
     return _read_only(arr)
+
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _check_id_range(arr: np.ndarray, *, field: str, where: str, vocab_size: int | None) -> None:
+    """No negative id, none that overflows int64 (uint64 input), none ``>= vocab_size``."""
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0:
+        raise RecordError(f"{where}: {field} holds a negative id ({lo})")
+    if hi > _INT64_MAX:
+        raise RecordError(f"{where}: {field} holds an id beyond int64 ({hi})")
+    if vocab_size is not None and hi >= vocab_size:
+        raise RecordError(f"{where}: {field} holds id {hi}, outside the vocabulary "
+                          f"[0, {vocab_size})")
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -91,7 +113,12 @@ def _read_only(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def _as_logprobs(values: object, *, n: int, where: str) -> np.ndarray:
+def as_logprobs(values: object, *, n: int, where: str) -> np.ndarray:
+    """Validate behaviour logprobs: ``[n]`` finite floats ``<= 0`` (read-only on return).
+
+    Raises:
+        RecordError: naming ``where`` and the problem (length, NaN / inf, positive value).
+    """
     arr = np.asarray(values, dtype=np.float64) if not isinstance(values, np.ndarray) else values
     if arr.dtype.kind != "f":
         try:
@@ -137,29 +164,7 @@ class ModelCall:
     """The run this call belongs to, when known (used in error messages)."""
 
     def __post_init__(self) -> None:
-        where = _where(self.run_id, self.call_id)
-        for name in ("call_id", "agent_id"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise RecordError(f"{where}: {name} must be a non-empty string, got {value!r}")
-        if self.kind not in CALL_KINDS:
-            raise RecordError(f"{where}: kind {self.kind!r} is not one of {CALL_KINDS}")
-        if self.kind == "subagent" and not self.parent_agent_id:
-            raise RecordError(f"{where}: parent_agent_id is required for a subagent call")
-        if self.parent_agent_id is not None and self.parent_agent_id == self.agent_id:
-            raise RecordError(f"{where}: parent_agent_id equals agent_id {self.agent_id!r}")
-        version = self.policy_version
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
-            raise RecordError(f"{where}: policy_version must be an int >= 0, got {version!r}")
-        inp = as_token_array(self.input_ids, field="input_ids", where=where, allow_empty=False)
-        out = as_token_array(self.output_ids, field="output_ids", where=where, allow_empty=True)
-        lps = _as_logprobs(self.output_logprobs, n=out.size, where=where)
-        if not (math.isfinite(self.start_time) and math.isfinite(self.end_time)):
-            raise RecordError(f"{where}: start_time / end_time must be finite")
-        object.__setattr__(self, "input_ids", inp)
-        object.__setattr__(self, "output_ids", out)
-        object.__setattr__(self, "output_logprobs", lps)
-        object.__setattr__(self, "policy_version", int(version))
+        _check_call(self, scan_inputs=True, vocab_size=None)
 
     @property
     def context_len(self) -> int:
@@ -169,6 +174,39 @@ class ModelCall:
     def __repr__(self) -> str:
         return (f"ModelCall({self.call_id!r}, agent={self.agent_id!r}, kind={self.kind}, "
                 f"in={self.input_ids.size}, out={self.output_ids.size}, v={self.policy_version})")
+
+
+def _check_call(call: ModelCall, *, scan_inputs: bool, vocab_size: int | None) -> None:
+    """Validate (and normalize in place) every field of ``call``; see the module docstring."""
+    where = _where(call.run_id, call.call_id)
+    for name in ("call_id", "agent_id"):
+        value = getattr(call, name)
+        if not isinstance(value, str) or not value:
+            raise RecordError(f"{where}: {name} must be a non-empty string, got {value!r}")
+    if call.kind not in CALL_KINDS:
+        raise RecordError(f"{where}: kind {call.kind!r} is not one of {CALL_KINDS}")
+    if call.kind == "subagent" and not call.parent_agent_id:
+        raise RecordError(f"{where}: parent_agent_id is required for a subagent call")
+    if call.parent_agent_id is not None and call.parent_agent_id == call.agent_id:
+        raise RecordError(f"{where}: parent_agent_id equals agent_id {call.agent_id!r}")
+    version = call.policy_version
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+        raise RecordError(f"{where}: policy_version must be an int >= 0, got {version!r}")
+    inp = as_token_array(call.input_ids, field="input_ids", where=where, allow_empty=False,
+                         scan=scan_inputs, vocab_size=vocab_size)
+    out = as_token_array(call.output_ids, field="output_ids", where=where, allow_empty=True,
+                         vocab_size=vocab_size)
+    lps = as_logprobs(call.output_logprobs, n=out.size, where=where)
+    for name in ("start_time", "end_time"):
+        value = getattr(call, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer,
+                                                             np.floating)) \
+                or not math.isfinite(value):
+            raise RecordError(f"{where}: {name} must be a finite number, got {value!r}")
+    object.__setattr__(call, "input_ids", inp)
+    object.__setattr__(call, "output_ids", out)
+    object.__setattr__(call, "output_logprobs", lps)
+    object.__setattr__(call, "policy_version", int(version))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -238,3 +276,37 @@ def _check_calls(calls: tuple[ModelCall, ...], where: str) -> None:
         if parent is not None and parent not in agents:
             raise RecordError(f"{where}, call {call.call_id!r}: parent_agent_id {parent!r} "
                               f"names no agent of this run")
+
+
+def check_run(run: object, *, vocab_size: int | None = None, scan_inputs: bool = True) -> None:
+    """Validate a run again, every call and every field, as at construction.
+
+    Records are checked when built, but a run can reach a consumer without that check: unpickled
+    from another process (``__post_init__`` does not run), or with a field overwritten through
+    ``object.__setattr__``. Consumers that train on runs (the trajectory processor) call this.
+
+    Args:
+        run: the run to check (anything: a non-``AgentRun`` is an error).
+        vocab_size: when given, every id must be ``< vocab_size``.
+        scan_inputs: whether to scan the values of every call's ``input_ids`` (O(Σ inputs));
+            False checks their type, dtype and shape only (a caller that scans the assembled
+            trajectories instead, which hold every input id, passes False).
+
+    Raises:
+        RecordError: naming the run, the call and the field (a missing field included).
+    """
+    if not isinstance(run, AgentRun):
+        raise RecordError(f"record: expected an AgentRun, got {type(run).__name__}")
+    try:
+        run_id = run.run_id
+        where = _where(run_id if isinstance(run_id, str) else None, None)
+        run.__post_init__()
+        for i, call in enumerate(run.calls):
+            try:
+                _check_call(call, scan_inputs=scan_inputs, vocab_size=vocab_size)
+            except RecordError as exc:
+                raise RecordError(f"{where}, calls[{i}]: {exc}") from None
+            except AttributeError as exc:
+                raise RecordError(f"{where}, calls[{i}]: a field is missing ({exc})") from None
+    except AttributeError as exc:
+        raise RecordError(f"record: a field of the run is missing ({exc})") from None

@@ -16,7 +16,10 @@ A *task* is a factory ``make(seed) -> TaskEnv``; a ``TaskEnv`` is one task insta
     env.close()                             release resources (workspaces, processes)
 
 ``TaskEnv.tools`` names the task's tools (``subagent`` is the harness's own). Envs are used
-from one event loop; ``call_tool`` must be cancellable (the harness enforces time limits).
+from one event loop, shared by every run: an ``async`` ``call_tool`` must not block it (and
+should be cancellable; one that is not is abandoned at its time limit). A tool doing blocking
+work may instead define ``call_tool`` as a plain function: the harness runs it in its own thread
+under the same limit. ``score`` always runs in a thread, under ``score_timeout_s``.
 """
 
 from __future__ import annotations

@@ -15,9 +15,11 @@ scores 0 for the tests it blocked. The workspace is removed by ``close``.
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -123,7 +125,10 @@ async def run_pytest(workspace: pathlib.Path, *, timeout_s: float) -> str:
         return f"error: tests killed after {timeout_s:g} s"
     finally:
         if proc.returncode is None:
-            proc.kill()
+            try:                             # its own session: kill what the tests spawned too
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             await proc.wait()
     return out.decode(errors="replace")
 
