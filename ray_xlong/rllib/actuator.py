@@ -70,7 +70,7 @@ INF = float("inf")
 MAX_ROUNDS = 16
 CHECKPOINT = "driver_checkpoint.pt"
 """File name of the driver checkpoint inside ``CellJobConfig.checkpoint_dir``."""
-RUNNER_KINDS = ("ended", "sync", "switch")   # pending kinds a runner death invalidates
+RUNNER_KINDS = ("ended", "started", "sync", "switch")  # pending kinds a runner death voids
 LEARNER_KINDS = ("micro", "switch", "sync")  # pending kinds a learner death invalidates
 
 
@@ -88,8 +88,7 @@ class RayActuator:
         self.cfg, self.policy, self.pool = config, policy, pool
         self.cells = pool.cells
         self.m = CellMachine(config.job, slots=[config.slots_per_cell] * len(self.cells))
-        self.group = ElasticLearnerGroup([c.learner for c in self.cells],
-                                         durable=config.spool_dir is not None)
+        self.group = ElasticLearnerGroup([c.learner for c in self.cells], durable=True)
         self.pending: dict[Any, tuple[str, int, float]] = {}
         self.ended: dict[int, list] = collections.defaultdict(list)  # group -> AgentRuns
         self.queue: collections.deque[tuple[MicroBatch, bool]] = collections.deque()
@@ -170,6 +169,11 @@ class RayActuator:
             getattr(self, f"_on_{kind}")(cell, value, issued)
 
     def _on_ended(self, cell: int, results: list, issued: float) -> None:
+        self._deliver(cell, results)
+        self._watch_runs(cell)
+
+    def _deliver(self, cell: int, results: list) -> None:
+        """Runs that ended on ``cell`` (from its runner or the spool), each taken once."""
         for res in results:
             run = int(res.run.run_id[1:])
             if run not in self.m.live[cell]:  # delivered already (from the spool)
@@ -180,7 +184,9 @@ class RayActuator:
         if self.spool is not None and not self.cfg.checkpoint_dir:
             self.spool.discard(self.unsaved)
             self.unsaved.clear()
-        self._watch_runs(cell)
+
+    def _on_started(self, cell: int, value: Any, issued: float) -> None:
+        """The runner took the runs (a refusal raised in ``poll`` instead)."""
 
     def _on_switch(self, cell: int, value: Any, issued: float) -> None:
         self.stats["switch_s"].append(self.now() - issued)
@@ -221,7 +227,9 @@ class RayActuator:
         cell, c = move.cell, self.cells[move.cell]
         if isinstance(move, StartRuns):
             g = self.cfg.job.runs_per_group
-            c.runner.start_runs.remote([self.cfg.work.spec(r, runs_per_group=g) for r in runs])
+            ref = c.runner.start_runs.remote([self.cfg.work.spec(r, runs_per_group=g)
+                                              for r in runs])
+            self.pending[ref] = ("started", cell, self.now())  # a refusal fails loudly
         elif isinstance(move, Drain):
             c.runner.drain.remote()
         elif isinstance(move, (Reserve, StartTraining, JoinStep)):
@@ -306,17 +314,18 @@ class RayActuator:
         pushes = {c: self.cells[c].runner.set_weights.remote(weights, version)
                   for c, role in enumerate(self.m.role)
                   if role is not Role.TRAINING and c not in self.retired}
-        for cell in lost_after:
-            self._recover(cell, "lost after the step's update")
+        failed = list(lost_after)
         for cell, ref in pushes.items():
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as exc:
                 if not actor_lost(exc):
                     raise
-                self._recover(cell, "lost during the weight push")  # rebuilt on new weights
+                failed.append(cell)
         self.stats["step_finish_s"].append(time.perf_counter() - t)
         self.m.end_step(self.now())
+        for cell in dict.fromkeys(failed):  # after end_step: the step is over for everyone
+            self._recover(cell, "lost at the end of a step")  # rebuilt on the new weights
         every = self.cfg.checkpoint_every
         if self.cfg.checkpoint_dir and (self.m.version % every == 0 or self.m.done):
             self.save_checkpoint()
@@ -438,6 +447,8 @@ class RayActuator:
     def _retire(self, cell: int, why: str, t0: float) -> None:
         now = self.now()
         self.m.cell_lost(cell, "node", now)
+        spooled = self.spool.get(f"r{r}" for r in self.m.live[cell]) if self.spool else {}
+        self._deliver(cell, [res for _, res in spooled.values()])  # ended before the loss
         try:
             orphans = self.m.retire_cell(cell, now)
         except Exception as exc:  # noqa: BLE001 - the last cell: nothing to continue on
@@ -450,7 +461,7 @@ class RayActuator:
         self.awake.discard(cell)
         self.retired.add(cell)
         self.faults.append({"kind": "node", "cell": cell, "why": why, "t": now,
-                            "runs_rerun": len(orphans), "runs_from_spool": 0,
+                            "runs_rerun": len(orphans), "runs_from_spool": len(spooled),
                             "micro_batches_redone": len(redo),
                             "recover_s": time.perf_counter() - t0, "retired": True})
 

@@ -121,10 +121,15 @@ class XLongLearner(TorchLearner):
         return loss
 
     # -- the elastic step ----------------------------------------------------------------------
-    def accumulate(self, micro_batch: Mapping[str, torch.Tensor]) -> int:
-        """Add ``∇ loss(micro_batch)`` to the local gradient; returns its targets."""
+    def accumulate(self, micro_batch: Mapping[str, torch.Tensor],
+                   version: int | None = None) -> int:
+        """Add ``∇ loss(micro_batch)`` to the local gradient; returns its targets. ``version``:
+        the weights the step trains (raises if this learner holds others)."""
         if self.asleep:
             raise RuntimeError("XLongLearner.accumulate: the learner is asleep (wake_up first)")
+        if version is not None and version != self.version:
+            raise RuntimeError(f"XLongLearner.accumulate: learner at version {self.version}, "
+                               f"the step trains version {version} (reload its state first)")
         loss = self.compute_loss_for_module(module_id=DEFAULT_MODULE_ID, batch=micro_batch)
         loss.backward()
         n = int(micro_batch["target_ids"].numel())

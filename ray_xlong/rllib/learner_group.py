@@ -179,7 +179,7 @@ class ElasticLearnerGroup:
         if new_chunk:
             self.total += micro.weight
         self.held[cell].append(micro)
-        return self.learners[cell].accumulate.remote(micro.tensors)
+        return self.learners[cell].accumulate.remote(micro.tensors, self.version)
 
     def replace(self, cell: int, learner: Any) -> list[MicroBatch]:
         """``cell``'s learner died and ``learner`` (built, asleep or not, any version) took its

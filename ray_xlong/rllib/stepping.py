@@ -112,10 +112,10 @@ class SteppingActuator(RayActuator):
         return self._report(step, time.monotonic() - t)
 
     # -- hooks on the actuator ---------------------------------------------------------------
-    def _on_ended(self, cell: int, results: list, issued: float) -> None:
+    def _deliver(self, cell: int, results: list) -> None:
         for res in results:
             self.rewards[res.run.run_id] = float(res.run.reward)
-        super()._on_ended(cell, results, issued)
+        super()._deliver(cell, results)
 
     @property
     def version_offset(self) -> int:
