@@ -202,9 +202,6 @@ def _bench_ray(args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
                        "--backend sim)")
     from ray_xlong.rllib.mode_bench import ALL_MODES, run_comparison, table
 
-    if "forecast" in modes:
-        raise CliError("forecast runs in the simulator only (--backend sim); on Ray cells "
-                       "drop --forecast")
     _known_modes(modes, ALL_MODES)
     size = args.size or "quick"
     if args.model_dir is not None and not pathlib.Path(args.model_dir, "config.json").is_file():
@@ -346,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=None,
                    help="modes to run (default colocated async elastic; must include elastic)")
     p.add_argument("--forecast", action="store_true",
-                   help="sim: also run our forecast mode")
+                   help="also run our forecast mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preset", default=None, help="sim: preset (default paper-2.4t)")
     p.add_argument("--steps", type=int, default=None, help="sim: override the preset's steps")

@@ -76,11 +76,12 @@ def test_bench_on_ray_cells_and_timeline_of_the_driver_event_log(tmp_path, capsy
     """Tiny budget: every mode on real Ray cells beside the simulator; the Ray driver's event
     log (written as JSONL) draws through ``timeline`` like the simulator's."""
     out, events = tmp_path / "bench.json", tmp_path / "ev"
-    assert main(["bench", "--backend", "ray", "--size", "smoke", "--json", str(out),
-                 "--events-dir", str(events)]) == 0
+    assert main(["bench", "--backend", "ray", "--size", "smoke", "--forecast", "--json",
+                 str(out), "--events-dir", str(events)]) == 0
     assert "| mode | makespan s | sim s |" in capsys.readouterr().out
     data = json.loads(out.read_text())
-    assert data["backend"] == "ray" and set(data["modes"]) == {"colocated", "async", "elastic"}
+    assert data["backend"] == "ray"
+    assert set(data["modes"]) == {"colocated", "async", "elastic", "forecast"}
     for row in data["modes"].values():
         assert row["violations"] == [] and row["makespan_s"] > 0 and row["vs_elastic"] > 0
     ray_log = from_jsonl((events / "elastic.jsonl").read_text())
@@ -121,8 +122,6 @@ def test_train_writes_the_driver_event_log_and_timeline_draws_it(tmp_path, capsy
     pytest.param(["bench", "--steps", "0"], "--steps must be >= 1", id="bench-zero-steps"),
     pytest.param(["bench", "--backend", "ray", "--steps", "2"], "--backend sim",
                  id="bench-steps-on-ray"),
-    pytest.param(["bench", "--backend", "ray", "--forecast"], "simulator only",
-                 id="bench-forecast-on-ray"),
 ])
 def test_errors_say_what_to_change(argv, message, capsys):
     assert main(argv) == 2

@@ -88,11 +88,12 @@ class RayActuator:
         self.cfg, self.policy, self.pool = config, policy, pool
         self.cells = pool.cells
         self.m = CellMachine(config.job, slots=[config.slots_per_cell] * len(self.cells))
-        self.group = ElasticLearnerGroup([c.learner for c in self.cells], durable=True)
+        self.group: ElasticLearnerGroup | None = None  # built on the job's start state in run()
         self.pending: dict[Any, tuple[str, int, float]] = {}
         self.ended: dict[int, list] = collections.defaultdict(list)  # group -> AgentRuns
         self.queue: collections.deque[tuple[MicroBatch, bool]] = collections.deque()
         self.in_flight: dict[int, float] = {}  # cell -> dispatch time
+        self.chain: dict[int, Any] = {}  # cell -> ref of its runner's last ordered call
         self.awake: set[int] = set()
         self.stats = collections.defaultdict(list)
         self.trained: dict[int, list[str]] = {}  # step -> run ids it trained
@@ -144,6 +145,19 @@ class RayActuator:
             calls.append(cell.learner.sleep.remote())
             calls.append(cell.runner.resume.remote(weights, 0))
         ray.get(calls)
+        # The state lives in the driver's object store, so it outlives any node (durable).
+        self.group = ElasticLearnerGroup([c.learner for c in self.cells], state=ray.get(state),
+                                         durable=True)
+
+    def _rcall(self, cell: int, method: str, *args: Any):
+        """Call a role method of ``cell``'s runner after its previous one (Ray does not order
+        the calls of an actor with concurrency groups: a ``drain`` sent after a
+        ``start_runs`` could run first and make it refuse the runs)."""
+        prev = self.chain.get(cell)
+        ref = getattr(self.cells[cell].runner, method).remote(
+            *args, *(() if prev is None else (prev,)))
+        self.chain[cell] = ref
+        return ref
 
     def _watch_runs(self, cell: int) -> None:
         ref = self.cells[cell].runner.wait_ended.remote(self.cfg.poll_s)
@@ -190,6 +204,8 @@ class RayActuator:
 
     def _on_switch(self, cell: int, value: Any, issued: float) -> None:
         self.stats["switch_s"].append(self.now() - issued)
+        if self.m.role[cell] is Role.SYNCING:  # sent back before its switch ended: the sync's
+            return                            # end makes it ready (its learner sleeps again)
         self.awake.add(cell)
         self._ready(cell)
 
@@ -227,18 +243,18 @@ class RayActuator:
         cell, c = move.cell, self.cells[move.cell]
         if isinstance(move, StartRuns):
             g = self.cfg.job.runs_per_group
-            ref = c.runner.start_runs.remote([self.cfg.work.spec(r, runs_per_group=g)
-                                              for r in runs])
+            ref = self._rcall(cell, "start_runs", [self.cfg.work.spec(r, runs_per_group=g)
+                                                   for r in runs])
             self.pending[ref] = ("started", cell, self.now())  # a refusal fails loudly
         elif isinstance(move, Drain):
-            c.runner.drain.remote()
+            self._rcall(cell, "drain")
         elif isinstance(move, (Reserve, StartTraining, JoinStep)):
             if isinstance(move, StartTraining):
                 self.group.begin(move.step)
             after = None
             if not was_training:
                 self.m.busy_until(cell, INF)
-                after = c.runner.suspend.remote()
+                after = self._rcall(cell, "suspend")
             if isinstance(move, Reserve):
                 ref = c.learner.wake_up.remote(None, after)
             else:
@@ -249,7 +265,7 @@ class RayActuator:
             self.m.busy_until(cell, INF)
             self.awake.discard(cell)
             slept = self.group.sleep(cell)
-            ref = c.runner.resume.remote(self.group.weights_ref, self.group.version, slept)
+            ref = self._rcall(cell, "resume", self.group.weights_ref, self.group.version, slept)
             self.pending[ref] = ("sync", cell, self.now())
 
     # -- training ------------------------------------------------------------------------------
@@ -402,6 +418,7 @@ class RayActuator:
 
     def _replace_runner(self, cell: int, record: dict) -> None:
         runner = self.pool.replace(cell, "runner")
+        self.chain.pop(cell, None)
         ray.get(runner.resume.remote(self.group.weights_ref, self.group.version))
         live = list(self.m.live[cell])
         spooled = {}
@@ -424,9 +441,9 @@ class RayActuator:
         """Put the cell's actors back into what its role expects (module docstring)."""
         c, role = self.cells[cell], self.m.role[cell]
         if role is Role.DRAINING and runner_new:
-            c.runner.drain.remote()
+            self._rcall(cell, "drain")
         elif role is Role.TRAINING:
-            after = c.runner.suspend.remote() if runner_new else None
+            after = self._rcall(cell, "suspend") if runner_new else None
             in_step = self.m.step >= 0 and self.m.step_of[cell] == self.m.step
             if "switch" in dropped or learner_new:
                 self.in_flight.pop(cell, None)
@@ -441,7 +458,7 @@ class RayActuator:
                 self.m.busy_until(cell, INF)
                 self.pending[ref] = ("switch", cell, self.now())
         elif role is Role.SYNCING and ("sync" in dropped or runner_new):
-            ref = c.runner.resume.remote(self.group.weights_ref, self.group.version)
+            ref = self._rcall(cell, "resume", self.group.weights_ref, self.group.version)
             self.pending[ref] = ("sync", cell, self.now())
 
     def _retire(self, cell: int, why: str, t0: float) -> None:
@@ -474,6 +491,7 @@ class RayActuator:
             try:
                 learner = self.pool.replace(cell, "learner", timeout_s=30.0)
                 runner = self.pool.replace(cell, "runner", timeout_s=30.0)
+                self.chain.pop(cell, None)
             except TimeoutError:
                 continue
             ray.get([learner.set_xlong_state.remote(self.group.state_ref),
@@ -560,7 +578,7 @@ class RayActuator:
                     self.m.restart_run(cell, run, self.now())
                 rerun += len(again)
             if self.m.role[cell] is Role.DRAINING:
-                c.runner.drain.remote()
+                self._rcall(cell, "drain")
         if self.spool is not None:  # results of runs started after the checkpoint: re-run
             known = {r.run_id for runs in self.ended.values() for r in runs}
             known |= {r for ids in self.trained.values() for r in ids}

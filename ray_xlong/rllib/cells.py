@@ -138,7 +138,17 @@ class CellRunner(AgentEnvRunner):
             time.sleep(0.002)
         return self.sample_results()
 
-    def suspend(self) -> float:
+    # Role calls take trailing ``after`` refs (ignored): the driver chains each call on the
+    # previous one, since Ray does not order the calls of an actor with concurrency groups.
+    def start_runs(self, specs, *after: Any) -> list[str]:
+        """:meth:`AgentEnvRunner.start_runs` (``after``: refs to wait for)."""
+        return super().start_runs(specs)
+
+    def drain(self, *after: Any) -> None:
+        """:meth:`AgentEnvRunner.drain` (``after``: refs to wait for)."""
+        super().drain()
+
+    def suspend(self, *after: Any) -> float:
         """Rollout → training: drain and sleep the engine (raises with live runs). Returns
         the seconds it took."""
         t = time.perf_counter()
@@ -146,10 +156,12 @@ class CellRunner(AgentEnvRunner):
         self.sleep()
         return time.perf_counter() - t
 
-    def resume(self, weights: Mapping[str, Any] | None, version: int, after: Any = None) -> float:
+    def resume(self, weights: Mapping[str, Any] | None, version: int, *after: Any) -> float:
         """Training → rollout: load ``weights`` of ``version`` (if given), wake, take runs
-        again. ``after`` is ignored (pass the learner's sleep ref to order the two). Returns
-        the seconds it took."""
+        again. ``after`` is ignored: pass refs (the learner's sleep, this runner's own pending
+        ``suspend``) to make Ray run this once they resolved — calls of an actor with
+        concurrency groups are not guaranteed to run in submission order. Returns the seconds
+        it took."""
         t = time.perf_counter()
         if weights is not None:
             self.set_weights(weights, version)

@@ -12,8 +12,9 @@ Shared by ``benchmarks/modes_ray.py`` and ``ray-xlong bench --backend ray``::
 Every mode runs the same seeded long-horizon job (time-compressed: one task hour is one wall
 second), so the simulator reads the Ray seconds as its hours. Ratios: ``vs_elastic`` =
 makespan ÷ elastic's makespan (< 1 is faster than elastic), ``speedup_vs_colocated`` =
-colocated ÷ makespan. ``forecast`` is simulator-only for now: driven on Ray cells it stalls
-(a runner refuses ``start_runs`` while draining or asleep), so it is not offered here.
+colocated ÷ makespan. ``forecast`` (our mode) is sized from the calibration: a training cell
+trains ``train_tokens_per_s / tokens_per_run / runs_per_group`` groups per second, and the
+forecast horizon is the run timeout.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Callable
 
 MODES = ("colocated", "async", "elastic")
 """The paper's three modes."""
-ALL_MODES = MODES + ("colocated+streaming", "async+streaming")
+ALL_MODES = MODES + ("colocated+streaming", "async+streaming", "forecast")
 """Every mode :func:`run_modes` can run (the streaming ablations too)."""
 
 SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, task steps,
@@ -113,6 +114,15 @@ def sim_inputs(config, cal: dict):
     return workload, cluster, costs
 
 
+def forecast_policy(config, cal: dict):
+    """Our ForecastPolicy sized for this job from the calibration (seconds as its hours)."""
+    from ray_xlong.scheduling.forecast import ForecastPolicy
+
+    per_s = cal["train_tokens_per_s"] / max(cal["tokens_per_run"], 1e-9) \
+        / config.job.runs_per_group
+    return ForecastPolicy(train_groups_per_cell_h=per_s, horizon_h=config.harness.wall_clock_s)
+
+
 def run_modes(config, pool, modes, cal: dict, *,
               on_mode: Callable[[str], None] | None = None) -> tuple[dict, dict, float]:
     """Every mode on Ray and in the simulator.
@@ -133,10 +143,17 @@ def run_modes(config, pool, modes, cal: dict, *,
     for mode in modes:
         if on_mode is not None:
             on_mode(mode)
-        cfg = dataclasses.replace(config, mode=mode)
-        real = run_job(cfg, pool)
-        sim = simulate(make_policy(cfg), workload=workload, cluster=cluster, costs=costs,
-                       config=cfg.job)
+        if mode == "forecast":
+            from ray_xlong.rllib.actuator import RayActuator
+
+            cfg = dataclasses.replace(config, mode="elastic")
+            real = RayActuator(cfg, forecast_policy(config, cal), pool).run()
+            policy = forecast_policy(config, cal)
+        else:
+            cfg = dataclasses.replace(config, mode=mode)
+            real = run_job(cfg, pool)
+            policy = make_policy(cfg)
+        sim = simulate(policy, workload=workload, cluster=cluster, costs=costs, config=cfg.job)
         rows[mode] = _row(real, sim, lb, check_invariants(
             real, staleness_bound=cfg.job.staleness_bound))
         logs[mode] = (real.events, sim.events)
