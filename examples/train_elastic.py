@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         from ray_xlong.rollout.local_rl import WarmStartConfig
 
-        warm = WarmStartConfig(clean_steps=5, noisy_steps=2)
+        warm = WarmStartConfig(clean_steps=5, noisy_steps=2, min_accuracy=0.0)  # plumbing only
     run = run_training(mode=args.mode, steps=args.steps, seed=args.seed, engine=args.engine,
                        workdir=args.workdir, groups=args.groups,
                        runs_per_group=args.runs_per_group, warm=warm, on_step=on_step)

@@ -3,10 +3,13 @@
 RL needs a reward signal to climb; a random tiny model never emits a well-formed tool call. A
 few hundred AdamW steps of next-token cross-entropy on demonstration sequences, with the loss
 only on the model's turns (``loss_mask``), make it follow the format (and often the task).
+:func:`teacher_forced` measures what it learned: for every position of a held-out
+demonstration's mask, whether the greedy next token is the demonstrated one, and its probability.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -49,6 +52,48 @@ def warm_start(model: torch.nn.Module, examples: Sequence[tuple[np.ndarray, np.n
         losses.append(float(loss.detach()))
     model.eval()
     return losses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TeacherForced:
+    """The model's next-token predictions on one demonstration's masked positions."""
+
+    hit: np.ndarray
+    """``[m]`` bool: the greedy (argmax) token is the demonstrated one."""
+    prob: np.ndarray
+    """``[m]`` float: probability of the demonstrated token."""
+
+
+@torch.no_grad()
+def teacher_forced(model: torch.nn.Module,
+                   examples: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[TeacherForced]:
+    """Teacher-forced predictions at the masked positions of each example (one batch).
+
+    Args:
+        model: an HF causal LM (evaluated in eval mode; its train/eval mode is restored).
+        examples: ``(ids [n], loss_mask [n] bool)`` pairs; position 0 is never a target.
+
+    Returns:
+        One :class:`TeacherForced` per example, in order; its arrays follow the mask's
+        positions 1.. in order (``m`` = masked positions after the first).
+    """
+    if not examples:
+        raise ValueError("teacher_forced: examples is empty")
+    ids, labels, mask = _batch(examples)
+    was_training = model.training
+    model.eval()
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    model.train(was_training)
+    probs = torch.softmax(logits, dim=-1)
+    target = labels[:, 1:]
+    out = []
+    for row in range(len(examples)):
+        pos = (target[row] != -100).nonzero().flatten()
+        want = target[row, pos]
+        out.append(TeacherForced(
+            hit=(logits[row, pos].argmax(-1) == want).numpy(),
+            prob=probs[row, pos].gather(-1, want[:, None])[:, 0].numpy().astype(np.float64)))
+    return out
 
 
 def _batch(examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,9 +7,10 @@ training_step()         first call: SteppingActuator.start() (weights of the sta
                         every call: actuator.advance() → StepReport → self.metrics (RLlib keys)
 train()                 RLlib's: training_step, compile metrics, on_train_result callbacks
 save_to_path(p)         state = Learner state of the current version (weights + Adam moments)
-                                + training_iteration
+                                + training_iteration; the config (pickled, by RLlib)
 restore_from_path(p)    into an algorithm that has not trained yet: the first training_step
                         starts every cell on that state (same version, same iteration)
+from_checkpoint(p)      a new algorithm from the saved config (or config=), then restored
 stop()                  actors and placement groups go
 ```
 
@@ -34,6 +35,8 @@ from __future__ import annotations
 
 import collections
 import os
+import pathlib
+import pickle
 from typing import Any
 
 import ray
@@ -185,6 +188,41 @@ class XLongAlgorithm(Algorithm):
 
     def restore_from_path(self, path, *args, **kwargs) -> None:
         Checkpointable.restore_from_path(self, path, *args, **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | pathlib.Path, filesystem=None, *,
+                        config: XLongConfig | None = None, **kwargs) -> "XLongAlgorithm":
+        """A new algorithm built from the checkpoint's config (or ``config``) and restored.
+
+        RLlib's ``Checkpointable.from_checkpoint`` unpickles the saved config; when that fails
+        (a class it names, e.g. the user's callbacks, does not import in this process) it
+        silently builds the algorithm with no config and dies on ``None.to_dict()``. Here
+        that failure is an error naming the cause, and ``config`` builds the algorithm
+        instead of the saved config (restoring its state the same way).
+
+        Args:
+            path: a directory written by ``save_to_path``.
+            filesystem: a pyarrow filesystem (None: inferred from ``path``).
+            config: build from this config instead of the saved one.
+
+        Raises:
+            ValueError: the saved config cannot be loaded here and no ``config`` was given.
+        """
+        if config is not None:
+            algo = cls(config=config)
+            algo.restore_from_path(path, filesystem=filesystem, **kwargs)
+            return algo
+        ctor_file = pathlib.Path(path) / cls.CLASS_AND_CTOR_ARGS_FILE_NAME
+        if filesystem is None and ctor_file.exists():
+            try:
+                with open(ctor_file, "rb") as f:
+                    pickle.load(f)
+            except Exception as exc:
+                raise ValueError(
+                    f"XLongAlgorithm.from_checkpoint: cannot load the saved config from "
+                    f"{ctor_file} ({type(exc).__name__}: {exc}); make the classes it names "
+                    f"(e.g. callbacks) importable in this process, or pass config=") from exc
+        return super().from_checkpoint(str(path), filesystem, **kwargs)
 
     def cleanup(self) -> None:
         pool = getattr(self, "pool", None)

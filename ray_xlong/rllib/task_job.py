@@ -13,12 +13,15 @@ checkpoint moves on to fresh task instances instead of replaying the first ones.
 
 :func:`warm_started_model_dir` builds the tiny policy (model + tokenizer) and gives it the
 lookup task's format by the supervised warm start of ``rollout.local_rl`` (the known-good
-recipe); the directory is cached by seed, so several jobs of one seed share one warm start.
+recipe, checked: ``rollout/warm_start.py``); the directory is cached by seed and warm-start
+config, so several jobs of one seed share one warm start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import pathlib
 
 import numpy as np
@@ -26,7 +29,12 @@ import numpy as np
 from ray_xlong.rllib.env_runner import RunSpec
 
 READY_MARKER = "xlong_warm_start.done"
-"""File written into a model directory once its warm start finished."""
+"""File written into a model directory once its warm start finished (and passed its check)."""
+REPORT = "xlong_warm_start.json"
+"""The warm start's ``WarmStartReport`` (scores, steps, losses) as JSON, in the directory."""
+WARM_START_VERSION = 2
+"""Part of the cache key: bumped when the warm-start code changes what a config produces
+(2: checked warm start, one optimizer across phases)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,25 +79,40 @@ def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None) ->
     """A tiny policy directory warm-started on the lookup format (built once per ``root``).
 
     Args:
-        root: where to build it (reused when it already holds a finished warm start).
+        root: where to build it (reused when it already holds a finished warm start of the
+            same seed and warm-start config).
         seed: model weights and warm-start seed.
-        warm: ``rollout.local_rl.WarmStartConfig`` (default: the local RL recipe).
+        warm: ``rollout.warm_start.WarmStartConfig`` (default: the local RL recipe).
 
     Returns:
-        The model directory (HF and vLLM load it; the tokenizer is saved with it).
+        The model directory ``root/policy-seed{seed}-{key}`` (HF and vLLM load it; the
+        tokenizer is saved with it; :data:`REPORT` holds the warm start's scores).
+
+    Raises:
+        rollout.warm_start.WarmStartFailed: the warm start did not take (nothing is cached).
     """
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.rollout.chat import ChatFormat
-    from ray_xlong.rollout.local_rl import WarmStartConfig, warm_start_policy
+    from ray_xlong.rollout.warm_start import WarmStartConfig, warm_start_policy
 
-    path = pathlib.Path(root) / f"policy-seed{seed}"
+    warm = warm or WarmStartConfig()
+    path = pathlib.Path(root) / f"policy-seed{seed}-{warm_start_key(warm)}"
     if (path / READY_MARKER).exists():
         return str(path)
-    warm = warm or WarmStartConfig()
+    reports = []
 
     def train(model, tokenizer):
-        warm_start_policy(model, ChatFormat(tokenizer), warm, seed=seed)
+        reports.append(warm_start_policy(model, ChatFormat(tokenizer), warm, seed=seed))
 
-    out = build_tiny_model_dir(path, seed=seed, train=train)
-    (pathlib.Path(out) / READY_MARKER).write_text("ok\n")
+    out = pathlib.Path(build_tiny_model_dir(path, seed=seed, train=train))
+    report = dataclasses.asdict(reports[0])
+    report["losses"] = [round(x, 5) for x in report["losses"]]
+    (out / REPORT).write_text(json.dumps(report, indent=1) + "\n")
+    (out / READY_MARKER).write_text("ok\n")
     return str(out)
+
+
+def warm_start_key(warm) -> str:
+    """Cache key of a warm start: its recipe version and every config field (8 hex digits)."""
+    text = f"{WARM_START_VERSION}:{dataclasses.asdict(warm)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:8]

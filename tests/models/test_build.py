@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ray_xlong.models import (SPECIAL_TOKENS, TinyModelConfig, build_tiny_model_dir,
-                              build_tokenizer, load_model, load_tokenizer, warm_start)
+                              build_tokenizer, load_model, load_tokenizer, teacher_forced,
+                              warm_start)
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +65,16 @@ def test_warm_start_lowers_the_loss(dirs):
     losses = warm_start(model, [(ids, np.ones(ids.size, bool))], steps=15, lr=1e-2,
                         batch_size=2)
     assert losses[-1] < losses[0] / 2
+
+
+def test_teacher_forced_scores_the_masked_positions(dirs):
+    model = load_model(dirs[0])
+    ids = np.arange(20, 40)
+    mask = np.zeros(ids.size, bool)
+    mask[10:15] = True                                   # 5 targets: ids 30 .. 34
+    before = teacher_forced(model, [(ids, mask)])[0]
+    assert before.hit.shape == before.prob.shape == (5,)
+    warm_start(model, [(ids, mask)], steps=30, lr=1e-2, batch_size=1)
+    after = teacher_forced(model, [(ids, mask)])[0]
+    assert after.hit.all() and after.prob.min() > before.prob.max()
+    assert not model.training                            # eval mode kept

@@ -136,6 +136,51 @@ def test_checkpoint_restores_in_a_new_process(trained, plain_model, tmp_path):
                    "version": 3, "first_version_trained_on": 2}
 
 
+FROM_CHECKPOINT = textwrap.dedent("""
+    import json, os, sys
+    import ray
+    from ray_xlong.rllib.algorithm import XLongAlgorithm
+    path, out, module, module_root = sys.argv[1:5]
+    try:                           # the saved config names the test's callbacks class
+        XLongAlgorithm.from_checkpoint(path)
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    sys.path.insert(0, module_root)
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    algo = XLongAlgorithm.from_checkpoint(path)
+    restored = [algo.training_iteration, algo.policy_version]
+    r = algo.train()
+    json.dump({"error": error, "restored": restored, "iteration": r["training_iteration"],
+               "version": r["xlong"]["policy_version"],
+               "first_version_trained_on": algo.reports[0].version - 1,
+               "callbacks": sys.modules[module].RecordingCallbacks.seen},
+              open(os.path.join(out, "r.json"), "w"))
+    algo.stop()
+""")
+
+
+@pytest.mark.slow
+def test_from_checkpoint_continues_in_a_new_process(trained, tmp_path):
+    """``XLongAlgorithm.from_checkpoint`` builds from the saved config (callbacks included) and
+    trains on at the next step and version; a saved class that does not import is named."""
+    _, path, _ = trained
+    ray.shutdown()                                         # the new process brings its own
+    module = RecordingCallbacks.__module__
+    module_root = pathlib.Path(sys.modules[module].__file__).parents[module.count(".")]
+    env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="rx", dir="/tmp"),
+               PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", FROM_CHECKPOINT, str(path), str(tmp_path),
+                           module, str(module_root)], env=env, cwd=tmp_path, timeout=300,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert "cannot load the saved config" in got.pop("error")
+    # trained: 2 steps, so the restored algorithm is at iteration 2, version 2 and steps on
+    assert got == {"restored": [2, 2], "iteration": 3, "version": 3,
+                   "first_version_trained_on": 2, "callbacks": [["init", None], ["result", 3]]}
+
+
 @pytest.mark.slow
 def test_reward_rises_in_elastic_mode(tmp_path_factory):
     """The lookup recipe (warm start, lr 5e-4, 16 groups × 8 runs) on 2 elastic cells: the

@@ -1,0 +1,41 @@
+"""The warm-started policy cache of ``task_job``: one directory per seed and warm-start config,
+reused once finished, with the warm start's report next to the model."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+pytest.importorskip("ray")
+
+from ray_xlong.rllib.task_job import (READY_MARKER, REPORT,  # noqa: E402
+                                      warm_started_model_dir)
+from ray_xlong.rollout.warm_start import WarmStartConfig  # noqa: E402
+
+TINY = WarmStartConfig(clean_steps=2, noisy_steps=1, min_accuracy=0.0, check_demonstrations=4)
+"""A plumbing-only warm start (no check): seconds, not a usable policy."""
+
+
+def test_cache_is_keyed_by_seed_and_warm_start_config(tmp_path):
+    first = pathlib.Path(warm_started_model_dir(tmp_path, seed=0, warm=TINY))
+    stamp = (first / READY_MARKER).stat().st_mtime_ns
+    assert warm_started_model_dir(tmp_path, seed=0, warm=TINY) == str(first)    # reused
+    assert (first / READY_MARKER).stat().st_mtime_ns == stamp                   # not rebuilt
+    other = warm_started_model_dir(tmp_path, seed=0, warm=WarmStartConfig(
+        clean_steps=2, noisy_steps=2, min_accuracy=0.0, check_demonstrations=4))
+    assert other != str(first) and first.name.startswith("policy-seed0-")
+    report = json.loads((first / REPORT).read_text())
+    assert (report["clean_steps"], report["noisy_steps"], len(report["losses"])) == (2, 1, 3)
+    assert set(report["final_clean"]) == {"accuracy", "answer_accuracy", "right_key_prob"}
+
+
+def test_failed_warm_start_is_not_cached(tmp_path):
+    from ray_xlong.rollout.warm_start import WarmStartFailed
+
+    failing = WarmStartConfig(clean_steps=1, check_steps=1, max_clean_steps=1, noisy_steps=0,
+                              check_demonstrations=4)
+    with pytest.raises(WarmStartFailed, match="seed 0"):
+        warm_started_model_dir(tmp_path, seed=0, warm=failing)
+    assert not list(tmp_path.glob(f"*/{READY_MARKER}"))
