@@ -64,7 +64,8 @@ def make_config(root: str, *, cells: int, steps: int, seed: int):
         mode="elastic", job=job,
         layout=CellLayout(cells=cells, nodes_per_cell=1, gpus_per_node=1, cpus_per_bundle=1.0),
         learner=LearnerSettings(model_dir=str(model_dir), lr=1e-4), slots_per_cell=2,
-        work=work, harness=HarnessConfig(max_new_tokens=32, wall_clock_s=2.5, tool_timeout_s=2.5))
+        work=work, harness=HarnessConfig(max_new_tokens=32, wall_clock_s=2.5, tool_timeout_s=2.5),
+        spool_dir=os.path.join(root, "spool"))
 
 
 class LocalCluster:

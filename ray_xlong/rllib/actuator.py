@@ -59,7 +59,7 @@ import torch
 from ray_xlong.rllib.cells import CellPool
 from ray_xlong.rllib.config import CellJobConfig
 from ray_xlong.rllib.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
-                                           actor_lost, chunk_with_stats)
+                                           _alive, actor_lost, chunk_with_stats)
 from ray_xlong.rllib.metrics import RayResult
 from ray_xlong.rllib.spool import RunSpool
 from ray_xlong.scheduling import (CellMachine, Drain, Event, JoinStep, Policy, Reserve, Role,
@@ -122,6 +122,8 @@ class RayActuator:
         if resume_from is not None:
             self._resume(resume_from)
         else:
+            if self.spool is not None:  # runs of an earlier job or attempt are not ours
+                self.spool.discard(self.spool.run_ids())
             self._reset_cells()
             self.t0 = time.monotonic()
             for c in range(len(self.cells)):
@@ -347,37 +349,48 @@ class RayActuator:
             self.save_checkpoint()
 
     # -- faults ----------------------------------------------------------------------------------
-    def _alive(self, actor: Any) -> bool:
-        """False once Ray reports ``actor`` dead (a busy actor counts as alive)."""
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=2.0)
-            return True
-        except ray.exceptions.GetTimeoutError:
-            return True
-        except ray.exceptions.RayError as exc:
-            if actor_lost(exc):
-                return False
-            raise
-
     def _drop_pending(self, cell: int, kinds: tuple[str, ...]) -> set[str]:
-        """Forget pending refs of ``cell`` of these kinds; returns the kinds dropped."""
+        """Forget pending refs of ``cell`` of these kinds (runs a ``wait_ended`` already
+        returned are delivered first); returns the kinds dropped."""
         drop = [r for r, (k, c, _) in self.pending.items() if c == cell and k in kinds]
+        ended = [r for r in drop if self.pending[r][0] == "ended"]
+        if ended:
+            ready, _ = ray.wait(ended, num_returns=len(ended), timeout=0)
+            for ref in ready:
+                try:
+                    self._deliver(cell, ray.get(ref))
+                except ray.exceptions.RayError as exc:
+                    if not actor_lost(exc):
+                        raise
         return {self.pending.pop(r)[0] for r in drop}
 
-    def _recover(self, cell: int, why: str) -> None:
+    def _recover(self, cell: int, why: str, *, attempt: int = 0) -> None:
         """An actor of ``cell`` died (module docstring): rebuild in place, or retire the cell
-        when its placement group lost its node."""
+        when its placement group lost its node. A loss during the rebuild starts it again
+        (three attempts, then the cell is retired)."""
         if cell in self.retired:
             return
+        self.chain.pop(cell, None)  # a chained call on a dead actor's ref would fail forever
+        if attempt >= 3:
+            self._retire(cell, f"{why}; rebuild failed {attempt} times", time.perf_counter())
+            return
+        try:
+            self._recover_once(cell, why)
+        except ray.exceptions.RayError as exc:
+            if not actor_lost(exc):
+                raise
+            self._recover(cell, f"{why}; lost again while rebuilding", attempt=attempt + 1)
+
+    def _recover_once(self, cell: int, why: str) -> None:
         t0, now = time.perf_counter(), self.now()
         c = self.cells[cell]
-        runner_dead = not self._alive(c.runner)
-        learner_dead = not self._alive(c.learner)
+        runner_dead = not _alive(c.runner)
+        learner_dead = not _alive(c.learner)
         if not (runner_dead or learner_dead):
             # The failure came through a dependency (e.g. a switch whose suspend failed)
             # and Ray has not marked the actor yet: look again once.
             time.sleep(1.0)
-            runner_dead, learner_dead = not self._alive(c.runner), not self._alive(c.learner)
+            runner_dead, learner_dead = not _alive(c.runner), not _alive(c.learner)
             if not (runner_dead or learner_dead):
                 raise CellActorDied(f"cell {cell}: {why}, but both actors are alive")
         if not self.pool.placed(cell):
@@ -466,8 +479,11 @@ class RayActuator:
         self.m.cell_lost(cell, "node", now)
         spooled = self.spool.get(f"r{r}" for r in self.m.live[cell]) if self.spool else {}
         self._deliver(cell, [res for _, res in spooled.values()])  # ended before the loss
+        for actor in (self.cells[cell].runner, self.cells[cell].learner):
+            ray.kill(actor, no_restart=True)  # a survivor on another node must not run on
+        self.chain.pop(cell, None)
         try:
-            orphans = self.m.retire_cell(cell, now)
+            orphans = self.m.retire_cell(cell, self.now())
         except Exception as exc:  # noqa: BLE001 - the last cell: nothing to continue on
             raise CellActorDied(f"cell {cell}: node lost ({why}) and it cannot retire: "
                                 f"{exc}") from exc
@@ -556,8 +572,8 @@ class RayActuator:
             calls += [cell.learner.set_xlong_state.remote(learner_state),
                       cell.learner.sleep.remote()]
         ray.get(calls)
-        self.group = type(self.group)([c.learner for c in self.cells], state=learner_state,
-                                      durable=True)
+        self.group = ElasticLearnerGroup([c.learner for c in self.cells], state=learner_state,
+                                         durable=True)
         ray.get([c.runner.resume.remote(self.group.weights_ref, version) for c in self.cells])
         self.t0 = time.monotonic() - float(state["time"])
         owed = self.m.resume(self.now())

@@ -124,10 +124,16 @@ class CellRunner(AgentEnvRunner):
         super().__init__(config=config, rollout_config=rollout_config)
 
     def _on_end(self, run_id: str, env, task) -> None:
-        # Spool first, then hand over: a runner that dies in between loses nothing.
-        if self.spool is not None and not task.cancelled() and task.exception() is None:
-            self.spool.put(self.cell, task.result())
-        super()._on_end(run_id, env, task)
+        # Spool first, then hand over: a runner that dies in between loses nothing. A spool
+        # that fails (disk full) still hands the run over, and the error reaches the driver
+        # through wait_ended (never a run that silently never ends).
+        try:
+            if self.spool is not None and not task.cancelled() and task.exception() is None:
+                self.spool.put(self.cell, task.result())
+        except Exception as exc:  # noqa: BLE001 - reported by wait_ended
+            self._spool_error = exc
+        finally:
+            super()._on_end(run_id, env, task)
 
     @ray.method(concurrency_group="poll")
     def wait_ended(self, timeout_s: float) -> list:
@@ -136,6 +142,9 @@ class CellRunner(AgentEnvRunner):
         deadline = time.monotonic() + timeout_s
         while not self._ended and time.monotonic() < deadline:
             time.sleep(0.002)
+        error = getattr(self, "_spool_error", None)
+        if error is not None:
+            raise RuntimeError(f"cell {self.cell}: spooling an ended run failed: {error!r}")
         return self.sample_results()
 
     # Role calls take trailing ``after`` refs (ignored): the driver chains each call on the

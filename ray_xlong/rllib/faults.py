@@ -90,7 +90,9 @@ class FaultInjector:
         self.log: list[dict[str, Any]] = []
 
     def tick(self, act: Any) -> None:
-        """Fire every fault whose moment has come; restore nodes whose time is up."""
+        """Fire every fault whose moment has come (a fault waits for a victim that would
+        notice it: a runner with live runs, a learner training); restore nodes whose time is
+        up."""
         now = time.monotonic()
         for due, token in list(self.down):
             if now >= due:
@@ -98,23 +100,30 @@ class FaultInjector:
                 self.down.remove((due, token))
         ended = sum(1 for e in act.m.log if e.kind == "run_ended")
         while self.todo and self.todo[0][0] <= ended:
-            _, kind = self.todo.popleft()
-            self._fire(kind, act)
+            if not self._fire(self.todo[0][1], act):
+                return  # no victim that would notice yet: try again next tick
+            self.todo.popleft()
 
-    def _fire(self, kind: str, act: Any) -> None:
+    def _fire(self, kind: str, act: Any) -> bool:
+        """Kill one victim of ``kind``; False when there is none right now (a runner with live
+        runs, a learner in the step in progress, a cell that is not the last)."""
         cells = [c for c in range(len(act.cells)) if c not in act.retired]
         if kind == "runner":
             busy = [c for c in cells if act.m.live[c]]
-            cell = self.rng.choice(busy or cells)
+            if not busy:
+                return False
+            cell = self.rng.choice(busy)
             ray.kill(act.cells[cell].runner, no_restart=True)
         elif kind == "learner":
             busy = [c for c in cells if c in act.in_flight] or \
                 [c for c in cells if c in act.group.members]
-            cell = self.rng.choice(busy or cells)
+            if not busy:
+                return False
+            cell = self.rng.choice(busy)
             ray.kill(act.cells[cell].learner, no_restart=True)
         else:
             if len(cells) < 2:
-                return  # never take the last cell
+                return False  # never take the last cell
             cell = self.rng.choice(cells)
             from ray.util import placement_group_table
 
@@ -125,6 +134,7 @@ class FaultInjector:
         self.injected[kind] += 1
         self.log.append({"kind": kind, "cell": cell, "t": act.now(),
                          "runs_ended": sum(1 for e in act.m.log if e.kind == "run_ended")})
+        return True
 
     def finish(self) -> None:
         """Bring back every node still down (call after the job)."""

@@ -218,27 +218,41 @@ class ElasticLearnerGroup:
                     raise
                 dead.append(c)
         if not done:
-            lost = [c for c in members if not _gradient_ok(grads[c])]
-            if not lost:
+            # Nobody applied the update. Keep every gradient that survived (in the driver's
+            # object store: its node may go next), redo the micro-batches of the lost ones.
+            kept = {c: _gradient(grads[c]) for c in members}
+            lost = [c for c in members if kept[c] is None]
+            gone = [c for c in members if c in dead and not _alive(self.learners[c])]
+            if not lost and not gone:
                 raise RuntimeError("ElasticLearnerGroup.finish: every member's update failed "
-                                   "but no gradient was lost")
-            # Survivors' gradients are taken: bank them; the lost members' work is redone.
-            self.banked += [grads[c] for c in members if c not in lost]
-            redo = [m for c in lost for m in self.held.pop(c, [])]
-            self.held.update({c: [] for c in members if c not in lost})
-            self.members = [c for c in members if c not in lost]
-            raise StepIncomplete(lost, redo)
+                                   "but no member or gradient was lost")
+            self.banked += [ray.put(kept[c]) for c in members if kept[c] is not None]
+            redo = [m for c in lost for m in self.held.get(c, [])]
+            self.held = {c: [] for c in members if c not in gone and c not in lost}
+            self.members = [c for c in members if c not in gone and c not in lost]
+            raise StepIncomplete(sorted(set(lost) | set(gone)), redo)
         for c in done:
             self.learner_version[c] = new
         for c in dead:
             self.learner_version[c] = -1
-        lead = self.learners[done[0]]
-        if self.durable:
-            state = ray.get(lead.get_xlong_state.remote())
-            self.state_ref, self.weights_ref = ray.put(state), ray.put(state["weights"])
+        for c in done:  # any member that applied the update holds the new state
+            lead = self.learners[c]
+            try:
+                if self.durable:
+                    state = ray.get(lead.get_xlong_state.remote())
+                    self.state_ref, self.weights_ref = ray.put(state), ray.put(state["weights"])
+                else:
+                    self.state_ref = lead.get_xlong_state.remote()
+                    self.weights_ref = lead.get_weights.remote()
+                break
+            except ray.exceptions.RayError as exc:
+                if not actor_lost(exc):
+                    raise
+                self.learner_version[c] = -1
+                dead.append(c)
         else:
-            self.state_ref = lead.get_xlong_state.remote()
-            self.weights_ref = lead.get_weights.remote()
+            raise RuntimeError("ElasticLearnerGroup.finish: every member died right after the "
+                               "update; its state is lost (resume from a checkpoint)")
         self.version, self.step, self.members = new, -1, []
         self.held, self.banked = {}, []
         return dead
@@ -248,10 +262,22 @@ class ElasticLearnerGroup:
         return self.learners[cell].sleep.remote()
 
 
-def _gradient_ok(ref: Any) -> bool:
-    """Whether a ``take_gradients`` ref holds a value (its learner did not die before it)."""
+def _gradient(ref: Any) -> Any:
+    """The value of a ``take_gradients`` ref, or None when its learner died before it."""
     try:
-        ray.get(ref, timeout=60)
+        return ray.get(ref, timeout=120)
+    except ray.exceptions.RayError as exc:
+        if actor_lost(exc):
+            return None
+        raise
+
+
+def _alive(actor: Any) -> bool:
+    """False once Ray reports ``actor`` dead (a busy actor counts as alive)."""
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=2.0)
+        return True
+    except ray.exceptions.GetTimeoutError:
         return True
     except ray.exceptions.RayError as exc:
         if actor_lost(exc):

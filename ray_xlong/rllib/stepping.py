@@ -65,7 +65,7 @@ class _OffsetGroup(ElasticLearnerGroup):
     """The elastic learner group starting at version ``offset`` (scheduler step 0 = offset)."""
 
     def __init__(self, learners: list[Any], *, offset: int) -> None:
-        super().__init__(learners)
+        super().__init__(learners, durable=True)
         self.offset = offset
         self.version = offset
         self.learner_version = [offset] * len(learners)
@@ -107,6 +107,7 @@ class SteppingActuator(RayActuator):
                 raise RuntimeError(f"SteppingActuator: the job's {self.cfg.job.total_steps} "
                                    f"steps are done (raise xlong(max_steps=...))")
             self.poll()
+            self._check_retired()
             self.train()
             self.act()
         return self._report(step, time.monotonic() - t)

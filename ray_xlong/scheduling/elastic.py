@@ -76,7 +76,13 @@ class ElasticPolicy:
 
     def _drain(self, state: ClusterState, moves: list[Move]) -> list[Move]:
         rollout = [c for c in state.with_role(Role.ROLLOUT) if c.ready_at <= state.time]
-        if state.with_role(Role.DRAINING) or len(rollout) <= self.min_rollout_cells:
+        if state.with_role(Role.DRAINING):
+            return []
+        orphaned = state.step >= 0 and not moves and rollout and \
+            not any(c.step == state.step for c in state.cells)
+        if orphaned:  # the step lost every member (a retired cell): it needs one, whatever
+            return [Drain(self.pick_drain(state, rollout).cell)]  # min_rollout_cells says
+        if len(rollout) <= self.min_rollout_cells:
             return []
         training = any(c.role is Role.TRAINING for c in state.cells) or moves
         idle_empty = state.startable_runs == 0 and any(not c.live_runs for c in rollout)

@@ -74,3 +74,17 @@ def test_pickled_machine_resumes_at_a_step_boundary():
     assert saved.role == [Role.ROLLOUT, Role.ROLLOUT] and saved.version == 1
     assert saved.log[-1].kind == "role" and any(e.kind == "resumed" for e in saved.log)
     assert policy.decide(saved.snapshot(5.0), saved.log[-1]) is not None
+
+
+def test_elastic_drains_a_cell_for_a_step_that_lost_every_member():
+    m = CellMachine(JOB, slots=[2, 2])
+    policy = ElasticPolicy()
+    m.apply(StartRuns(0, 2), 0.0)
+    m.apply(StartRuns(1, 2), 0.0)
+    m.run_ended(0, 0, 1.0)
+    m.run_ended(0, 1, 1.0)
+    m.apply(StartTraining(0, 0), 1.0)
+    m.take_groups()
+    m.retire_cell(0, 1.5)  # the step's only member is gone; cell 1 is the last rollout cell
+    moves = policy.decide(m.snapshot(1.5), m.log[-1])
+    assert [type(mv).__name__ for mv in moves] == ["Drain"] and moves[0].cell == 1
