@@ -102,7 +102,7 @@ class XLongAlgorithm(Algorithm):
                                 harness=opt.harness, max_batch_size=opt.slots_per_cell,
                                 seed=int(self.config.seed or 0))
         self.pool = create_cells(self.job.layout, rollout=rollout, learner=self.job.learner,
-                                 seed=int(self.config.seed or 0))
+                                 seed=int(self.config.seed or 0), spool_dir=self.job.spool_dir)
         self.actuator: SteppingActuator | None = None
         self.policy_version = 0
         self._start_state: dict[str, Any] | None = None

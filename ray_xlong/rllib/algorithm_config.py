@@ -88,6 +88,10 @@ class XLongOptions:
     """Length of the scheduler's job (``train()`` may be called at most this often)."""
     poll_s: float = 0.2
     """Longest the driver waits for an actor report before deciding again."""
+    spool_dir: str | None = None
+    """Where runners spool ended runs before handing them over (storage every node sees):
+    with it a lost runner loses no finished run (``ray_xlong/rllib/spool.py``). Runner,
+    learner and node losses are recovered with or without it."""
 
     def __post_init__(self) -> None:
         _check(self.mode in MODES, "mode", f"one of {MODES}", self.mode)
@@ -151,7 +155,8 @@ class XLongConfig(AlgorithmConfig):
               engine: str = NotProvided, task: str = NotProvided, model_dir: str = NotProvided,
               dtype: str = NotProvided, loss: LossConfig = NotProvided, pack: str = NotProvided,
               normalize_std: bool = NotProvided, harness: HarnessConfig = NotProvided,
-              max_steps: int = NotProvided, poll_s: float = NotProvided) -> "XLongConfig":
+              max_steps: int = NotProvided, poll_s: float = NotProvided,
+              spool_dir: str = NotProvided) -> "XLongConfig":
         """Set xlong options (fields of :class:`XLongOptions`; validated here). Returns self."""
         given = {k: v for k, v in locals().items() if k != "self" and v is not NotProvided}
         self.xlong_options = dataclasses.replace(self.xlong_options, **given)
@@ -228,4 +233,4 @@ class XLongConfig(AlgorithmConfig):
             harness=opt.harness,
             processor=ProcessorConfig(max_trajectories_per_run=opt.max_trajectories_per_run,
                                       pack=opt.pack, normalize_std=opt.normalize_std),
-            poll_s=opt.poll_s)
+            poll_s=opt.poll_s, spool_dir=opt.spool_dir)

@@ -40,7 +40,8 @@ def ppo_config():
 
 
 def test_ppo_settings_survive(ppo_config, tmp_path):
-    cfg = ray_xlong.enable(ppo_config, mode="async", runs_per_group=8, model_dir=str(tmp_path))
+    cfg = ray_xlong.enable(ppo_config, mode="async", runs_per_group=8, model_dir=str(tmp_path),
+                           spool_dir=str(tmp_path / "spool"))
     assert isinstance(cfg, XLongConfig) and cfg.algo_class is XLongAlgorithm
     assert cfg.lr == 3e-4 and cfg.grad_clip == 0.5 and cfg.seed == 7
     assert cfg.total_train_batch_size == 64 and cfg.groups_per_step == 8   # 64 runs = 8 × 8
@@ -54,7 +55,7 @@ def test_ppo_settings_survive(ppo_config, tmp_path):
     assert job.mode == "async" and job.layout.cells == 3 and job.layout.cpus_per_bundle == 2
     assert job.learner.lr == 3e-4 and job.learner.grad_clip == 0.5
     assert job.job.batch_groups == 8 and job.job.runs_per_group == 8
-    assert job.work.seed == 7
+    assert job.work.seed == 7 and job.spool_dir == str(tmp_path / "spool")
     assert ppo_config.lr == 3e-4 and not isinstance(ppo_config, XLongConfig)   # untouched
 
 
