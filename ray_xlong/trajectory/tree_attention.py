@@ -2,7 +2,7 @@
 
 A dense tree mask makes every row cost ``L²`` (a run's whole tree), which can exceed the
 per-trajectory cost ``Σ Lᵢ²/2`` and eat the dedup gain. This attention computes only the pairs
-the tree allows, on any device, with plain ``scaled_dot_product_attention``.
+the tree allows, on any device, with fused scaled-dot-product attention kernels.
 
 The rule ``mask[i, j] = j <= i < kv_end[j]`` splits a row into *segments*: maximal runs of
 consecutive tokens with equal ``kv_end`` (a node, merged with its last-child chain). For a
@@ -16,10 +16,19 @@ segment ``[a, b)``, every earlier key is either an ancestor of the whole segment
     kv_end 10  10  10   9   9   9   9   9   9  10
     segments: [0,3) keys {} + 0..2 · [3,9) keys 0..2 + 3..8 · [9,10) keys 0..2 + 9
 
-Long segments are cut into chunks of ``chunk`` queries; a chunk sees the segment's ancestors and
-the segment's earlier tokens in full and itself causally, so the masked-out triangle computed
-and thrown away is at most ``chunk²/2`` per chunk. Work ≈ Σ over tree tokens of their depth,
-≤ the per-trajectory work Σ Lᵢ²/2 (every tree token sits at the same depth in some trajectory).
+On CPU (no dropout) each segment is two fused flash-attention calls, and nothing is masked::
+
+    prefix part  q[a:b] × keys ancestors(a)   full       (a view when they are one range)
+    self part    q[a:b] × keys [a, b)          is_causal  (square, so top-left causal is exact)
+    merged       out = Σ_part o_part · exp(lse_part − lse),   lse = logaddexp(lse_prefix, lse_self)
+
+The backward runs the kernel's backward on each part with the *merged* output and logsumexp
+(the split-KV identity: a part's probabilities are ``exp(s − lse)``), adding into one gradient
+buffer per tensor: no recompute, no additive masks, no per-segment full-size zero gradients.
+Work = Σ over tree tokens of their depth, ≤ the per-trajectory work Σ Lᵢ²/2 (every tree token
+sits at the same depth in some trajectory). Elsewhere (other devices, or dropout) each segment
+is one plain ``scaled_dot_product_attention`` call over its keys with a cached additive mask;
+``chunk`` cuts long segments there so the masked-out triangle stays ≤ ``chunk²/2`` per piece.
 Registered with transformers as ``attn_implementation="xlong_tree"``; without a plan (e.g. the
 per-trajectory layout or generation) it falls back to HF's sdpa path, so one model serves both.
 Padding queries (after a row's last real token) get zeros.
@@ -34,6 +43,8 @@ import torch
 import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "xlong_tree"
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +60,9 @@ class TreeSegment:
     keys: torch.Tensor
     """``[n_prefix + stop − start]`` int64 key columns: all visible keys before ``start``
     (ancestors, then the segment's earlier chunks), ascending, then ``start..stop-1``."""
+    prefix_start: int | None = None
+    """First prefix column when the prefix keys are one contiguous range (a view, no gather);
+    ``None`` when they are not (or there are none)."""
 
     @property
     def num_prefix(self) -> int:
@@ -79,22 +93,31 @@ class TreePlan:
         return self.masks[key]
 
     @property
+    def segments(self) -> tuple[TreeSegment, ...]:
+        """Every row's segments, row by row."""
+        return tuple(seg for row in self.rows for seg in row)
+
+    @property
     def work(self) -> int:
         """Query-key pairs computed: Σ (stop − start) · |keys|."""
         return sum((s.stop - s.start) * int(s.keys.numel()) for row in self.rows for s in row)
 
 
-def tree_plan(kv_end: torch.Tensor, valid: torch.Tensor, *, chunk: int = 256) -> TreePlan:
+def tree_plan(kv_end: torch.Tensor, valid: torch.Tensor, *,
+              chunk: int | None = None) -> TreePlan:
     """Segments of a tree batch.
 
     Args:
         kv_end: ``[R, L]`` int64 (``PackedBatch.attention_mask`` of the tree layout).
         valid: ``[R, L]`` bool, real tokens (a prefix of each row).
-        chunk: most queries per segment piece (>= 1).
+        chunk: most queries per segment piece (>= 1); ``None``: uncut on CPU (the fused
+            path computes no masked-out pairs, so cutting only adds calls), 256 elsewhere.
 
     Returns:
         The plan; its key tensors live on ``kv_end``'s device.
     """
+    if chunk is None:
+        chunk = 0 if kv_end.device.type == "cpu" else 256
     rows = []
     lengths = valid.sum(dim=1).tolist()
     ends = kv_end.cpu().numpy()
@@ -105,12 +128,91 @@ def tree_plan(kv_end: torch.Tensor, valid: torch.Tensor, *, chunk: int = 256) ->
         segments = []
         for a, b in zip(starts.tolist(), stops.tolist()) if n else ():
             ancestors = np.flatnonzero(kv[:a] > a)
-            for lo in range(a, b, chunk):
-                keys = np.concatenate([ancestors, np.arange(a, min(b, lo + chunk))])
-                segments.append(TreeSegment(row, lo, min(b, lo + chunk),
-                                            torch.from_numpy(keys).to(kv_end.device)))
+            step = chunk or max(b - a, 1)
+            for lo in range(a, b, step):
+                hi = min(b, lo + step)
+                prefix = np.concatenate([ancestors, np.arange(a, lo)]).astype(np.int64)
+                contiguous = prefix.size and prefix[-1] - prefix[0] + 1 == prefix.size
+                keys = np.concatenate([prefix, np.arange(lo, hi)])
+                segments.append(TreeSegment(row, lo, hi,
+                                            torch.from_numpy(keys).to(kv_end.device),
+                                            int(prefix[0]) if contiguous else None))
         rows.append(tuple(segments))
     return TreePlan(tuple(rows), tuple(int(n) for n in lengths))
+
+
+def _prefix_kv(key, value, seg: TreeSegment):
+    """The segment's prefix keys and values: a view when they form one range, else a gather."""
+    if seg.prefix_start is not None:
+        first, stop = seg.prefix_start, seg.prefix_start + seg.num_prefix
+        return key[seg.row:seg.row + 1, :, first:stop], value[seg.row:seg.row + 1, :, first:stop]
+    cols = seg.keys[:seg.num_prefix]
+    return (key[seg.row:seg.row + 1].index_select(2, cols),
+            value[seg.row:seg.row + 1].index_select(2, cols))
+
+
+def _merge(o1, l1, o2, l2):
+    """Attention over two disjoint key sets from each part's output and logsumexp."""
+    lse = torch.logaddexp(l1, l2)
+    w1, w2 = torch.exp(l1 - lse).unsqueeze(-1), torch.exp(l2 - lse).unsqueeze(-1)
+    return (o1 * w1 + o2 * w2).to(o1.dtype), lse          # low precision: merged in float32
+
+
+class _TreeAttention(torch.autograd.Function):
+    """Segments' attention with the fused CPU kernels, split into prefix and causal self.
+
+    Backward runs the kernel's backward on each part with the *merged* output and logsumexp
+    (the split-KV identity: each part's probabilities are ``exp(s − lse)``), writing into one
+    gradient buffer per tensor — no recompute, no per-segment full-size zero gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, plan: TreePlan, scale: float):
+        out = query.new_zeros(query.shape)
+        lse = query.new_zeros(query.shape[:3], dtype=torch.promote_types(query.dtype,
+                                                                            torch.float32))
+        for seg in plan.segments:
+            r, a, b = seg.row, seg.start, seg.stop
+            q = query[r:r + 1, :, a:b]
+            o, l = _FLASH(q, key[r:r + 1, :, a:b], value[r:r + 1, :, a:b], 0.0, True,
+                          scale=scale)
+            if seg.num_prefix:
+                k, v = _prefix_kv(key, value, seg)
+                o, l = _merge(*_FLASH(q, k, v, 0.0, False, scale=scale), o, l)
+            out[r:r + 1, :, a:b] = o
+            lse[r:r + 1, :, a:b] = l
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        grad_out = grad_out.contiguous()
+        for seg in plan.segments:
+            r, a, b = seg.row, seg.start, seg.stop
+            q, g = query[r:r + 1, :, a:b], grad_out[r:r + 1, :, a:b]
+            o, l = out[r:r + 1, :, a:b], lse[r:r + 1, :, a:b]
+            gq, gk, gv = _FLASH_BACKWARD(g, q, key[r:r + 1, :, a:b], value[r:r + 1, :, a:b],
+                                         o, l, 0.0, True, scale=scale)
+            dq[r:r + 1, :, a:b] += gq
+            dk[r:r + 1, :, a:b] += gk
+            dv[r:r + 1, :, a:b] += gv
+            if seg.num_prefix:
+                k, v = _prefix_kv(key, value, seg)
+                gq, gk, gv = _FLASH_BACKWARD(g, q, k, v, o, l, 0.0, False, scale=scale)
+                dq[r:r + 1, :, a:b] += gq
+                if seg.prefix_start is not None:
+                    first, stop = seg.prefix_start, seg.prefix_start + seg.num_prefix
+                    dk[r:r + 1, :, first:stop] += gk
+                    dv[r:r + 1, :, first:stop] += gv
+                else:
+                    cols = seg.keys[:seg.num_prefix]
+                    dk[r:r + 1].index_add_(2, cols, gk)
+                    dv[r:r + 1].index_add_(2, cols, gv)
+        return dq, dk, dv, None, None
 
 
 def _segment_kv(key, value, seg: TreeSegment):
@@ -147,6 +249,10 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     dropout = dropout if module.training else 0.0
+    if query.device.type == "cpu" and dropout == 0.0:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = _TreeAttention.apply(query, key, value, tree_plan, float(scale))
+        return out.transpose(1, 2).contiguous(), None
     gqa = key.shape[1] != query.shape[1]
     rows = []
     for segments, n in zip(tree_plan.rows, tree_plan.valid_lengths):
