@@ -84,7 +84,10 @@ class LocalCluster:
         self.address = self.cluster.address
 
     def remove_node(self, node_id: str):
-        node = next(n for n in self.cluster.list_all_nodes() if n.node_id == node_id)
+        """Remove that worker node; None when it is not (or no longer) one of ours."""
+        node = next((n for n in self.cluster.list_all_nodes() if n.node_id == node_id), None)
+        if node is None or node is self.cluster.head_node:
+            return None
         self.cluster.remove_node(node, allow_graceful=False)
         return {"num_cpus": 1, "num_gpus": 1}
 

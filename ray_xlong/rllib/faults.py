@@ -73,7 +73,8 @@ class FaultInjector:
         """Args:
             plan: what to inject.
             job: the job (its run count places the moments).
-            remove_node: ``remove_node(node_id_hex) -> token`` removes that node.
+            remove_node: ``remove_node(node_id_hex) -> token`` removes that node (None: it
+                cannot, the fault waits).
             restore_node: ``restore_node(token)`` adds a node like it back.
         """
         if plan.node and (remove_node is None or restore_node is None):
@@ -124,13 +125,19 @@ class FaultInjector:
         else:
             if len(cells) < 2:
                 return False  # never take the last cell
-            cell = self.rng.choice(cells)
+            placed = [c for c in cells if act.pool.placed(c)]
+            if len(placed) < 2:
+                return False
+            cell = self.rng.choice(placed)
             from ray.util import placement_group_table
 
             nodes = set(placement_group_table(act.cells[cell].pg)["bundles_to_node_id"].values())
-            for node in sorted(nodes):
-                token = self.remove_node(node)
-                self.down.append((time.monotonic() + self.plan.node_down_s, token))
+            tokens = [self.remove_node(node) for node in sorted(nodes)]
+            if not any(t is not None for t in tokens):
+                return False  # its node is not one we can remove (yet): try again later
+            for token in tokens:
+                if token is not None:
+                    self.down.append((time.monotonic() + self.plan.node_down_s, token))
         self.injected[kind] += 1
         self.log.append({"kind": kind, "cell": cell, "t": act.now(),
                          "runs_ended": sum(1 for e in act.m.log if e.kind == "run_ended")})
