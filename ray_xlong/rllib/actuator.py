@@ -59,7 +59,7 @@ import torch
 from ray_xlong.rllib.cells import CellPool
 from ray_xlong.rllib.config import CellJobConfig
 from ray_xlong.rllib.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
-                                           _alive, actor_lost, chunk_with_stats)
+                                           actor_alive, actor_lost, chunk_with_stats)
 from ray_xlong.rllib.metrics import RayResult
 from ray_xlong.rllib.spool import RunSpool
 from ray_xlong.scheduling import (CellMachine, Drain, Event, JoinStep, Policy, Reserve, Role,
@@ -323,7 +323,7 @@ class RayActuator:
         try:
             lost_after = self.group.finish()
         except StepIncomplete as inc:
-            self.queue.extendleft((mb, False) for mb in reversed(inc.redo))
+            self._requeue(inc.redo)
             for cell in inc.lost:
                 self._recover(cell, "lost during the step's reduce")
             return
@@ -384,13 +384,13 @@ class RayActuator:
     def _recover_once(self, cell: int, why: str) -> None:
         t0, now = time.perf_counter(), self.now()
         c = self.cells[cell]
-        runner_dead = not _alive(c.runner)
-        learner_dead = not _alive(c.learner)
+        runner_dead = not actor_alive(c.runner)
+        learner_dead = not actor_alive(c.learner)
         if not (runner_dead or learner_dead):
             # The failure came through a dependency (e.g. a switch whose suspend failed)
             # and Ray has not marked the actor yet: look again once.
             time.sleep(1.0)
-            runner_dead, learner_dead = not _alive(c.runner), not _alive(c.learner)
+            runner_dead, learner_dead = not actor_alive(c.runner), not actor_alive(c.learner)
             if not (runner_dead or learner_dead):
                 raise CellActorDied(f"cell {cell}: {why}, but both actors are alive")
         if not self.pool.placed(cell):
@@ -419,13 +419,7 @@ class RayActuator:
         self.faults.append(record)
 
     def _replace_learner(self, cell: int, record: dict) -> None:
-        learner = self.pool.replace(cell, "learner")
-        ray.get([learner.set_xlong_state.remote(self.group.state_ref),
-                 learner.sleep.remote()])
-        redo = self.group.replace(cell, learner)
-        self.group.learner_version[cell] = self.group.version
-        self.queue.extendleft((mb, False) for mb in reversed(redo))
-        record["micro_batches_redone"] = len(redo)
+        record["micro_batches_redone"] = len(self._requeue(self._new_learner(cell)))
         self.in_flight.pop(cell, None)
         self.awake.discard(cell)
 
@@ -433,21 +427,42 @@ class RayActuator:
         runner = self.pool.replace(cell, "runner")
         self.chain.pop(cell, None)
         ray.get(runner.resume.remote(self.group.weights_ref, self.group.version))
-        live = list(self.m.live[cell])
-        spooled = {}
-        if self.spool is not None and live:
-            spooled = self.spool.get(f"r{r}" for r in live)
-        results = [res for _, res in spooled.values()]
-        record["runs_from_spool"] = len(results)
-        self._on_ended(cell, results, self.now())  # delivers, then watches the new runner
+        record["runs_from_spool"], record["runs_rerun"] = self._take_over_runs(cell)
+
+    def _take_over_runs(self, cell: int) -> tuple[int, int]:
+        """A fresh runner on ``cell``: its live runs that ended into the spool are delivered,
+        the others start again on it; it is watched. Returns (from the spool, restarted)."""
+        spooled = self._spooled(cell)
+        self._on_ended(cell, spooled, self.now())  # delivers, then watches the runner
         again = list(self.m.live[cell])
         if again:
             g = self.cfg.job.runs_per_group
-            ray.get(runner.start_runs.remote([self.cfg.work.spec(r, runs_per_group=g)
-                                              for r in again]))
+            ray.get(self.cells[cell].runner.start_runs.remote(
+                [self.cfg.work.spec(r, runs_per_group=g) for r in again]))
             for run in again:
                 self.m.restart_run(cell, run, self.now())
-        record["runs_rerun"] = len(again)
+        return len(spooled), len(again)
+
+    def _spooled(self, cell: int) -> list:
+        """Results in the spool of runs still live on ``cell`` (they ended, unreported)."""
+        if self.spool is None or not self.m.live[cell]:
+            return []
+        return [res for _, res in self.spool.get(f"r{r}" for r in self.m.live[cell]).values()]
+
+    def _requeue(self, redo: list[MicroBatch]) -> list[MicroBatch]:
+        """Put micro-batches a lost learner had trained back at the head of the queue (their
+        chunk normalizers are already counted). Returns them."""
+        self.queue.extendleft((mb, False) for mb in reversed(redo))
+        return redo
+
+    def _new_learner(self, cell: int, *, timeout_s: float = 120.0) -> list[MicroBatch]:
+        """Start ``cell``'s learner again, asleep on the group's current state; returns the
+        micro-batches the lost one had trained this step (to requeue)."""
+        learner = self.pool.replace(cell, "learner", timeout_s=timeout_s)
+        ray.get([learner.set_xlong_state.remote(self.group.state_ref), learner.sleep.remote()])
+        redo = self.group.replace(cell, learner)
+        self.group.learner_version[cell] = self.group.version
+        return redo
 
     def _restore_role(self, cell: int, dropped: set[str], runner_new: bool,
                       learner_new: bool) -> None:
@@ -462,9 +477,8 @@ class RayActuator:
                 self.in_flight.pop(cell, None)
                 self.awake.discard(cell)
                 if in_step:
-                    redo = self.group.replace(cell, c.learner) if cell in self.group.members \
-                        else []
-                    self.queue.extendleft((mb, False) for mb in reversed(redo))
+                    if cell in self.group.members:
+                        self._requeue(self.group.replace(cell, c.learner))
                     ref = self.group.join(cell, after=after)
                 else:
                     ref = c.learner.wake_up.remote(self.group.state_ref, after)
@@ -477,8 +491,8 @@ class RayActuator:
     def _retire(self, cell: int, why: str, t0: float) -> None:
         now = self.now()
         self.m.cell_lost(cell, "node", now)
-        spooled = self.spool.get(f"r{r}" for r in self.m.live[cell]) if self.spool else {}
-        self._deliver(cell, [res for _, res in spooled.values()])  # ended before the loss
+        spooled = self._spooled(cell)
+        self._deliver(cell, spooled)  # ended before the loss
         for actor in (self.cells[cell].runner, self.cells[cell].learner):
             ray.kill(actor, no_restart=True)  # a survivor on another node must not run on
         self.chain.pop(cell, None)
@@ -488,8 +502,7 @@ class RayActuator:
             raise CellActorDied(f"cell {cell}: node lost ({why}) and it cannot retire: "
                                 f"{exc}") from exc
         self._drop_pending(cell, RUNNER_KINDS + LEARNER_KINDS)
-        redo = self.group.replace(cell, self.cells[cell].learner)
-        self.queue.extendleft((mb, False) for mb in reversed(redo))
+        redo = self._requeue(self.group.replace(cell, self.cells[cell].learner))
         self.in_flight.pop(cell, None)
         self.awake.discard(cell)
         self.retired.add(cell)
@@ -505,16 +518,12 @@ class RayActuator:
                 continue
             t0, start = time.perf_counter(), self.now()
             try:
-                learner = self.pool.replace(cell, "learner", timeout_s=30.0)
+                self._new_learner(cell, timeout_s=30.0)
                 runner = self.pool.replace(cell, "runner", timeout_s=30.0)
                 self.chain.pop(cell, None)
             except TimeoutError:
                 continue
-            ray.get([learner.set_xlong_state.remote(self.group.state_ref),
-                     learner.sleep.remote(),
-                     runner.resume.remote(self.group.weights_ref, self.group.version)])
-            self.group.replace(cell, learner)
-            self.group.learner_version[cell] = self.group.version
+            ray.get(runner.resume.remote(self.group.weights_ref, self.group.version))
             self.retired.discard(cell)
             self.m.rebuild_cell(cell, self.now())
             self._watch_runs(cell)
@@ -576,23 +585,11 @@ class RayActuator:
                                          durable=True)
         ray.get([c.runner.resume.remote(self.group.weights_ref, version) for c in self.cells])
         self.t0 = time.monotonic() - float(state["time"])
-        owed = self.m.resume(self.now())
-        spooled = self.spool.get(f"r{run}" for _, run in owed) if self.spool else {}
-        by_cell = collections.defaultdict(list)
-        for cell, run in owed:
-            if f"r{run}" in spooled:
-                by_cell[cell].append(spooled[f"r{run}"][1])
-        rerun = 0
-        g = self.cfg.job.runs_per_group
-        for cell, c in enumerate(self.cells):
-            self._on_ended(cell, by_cell.get(cell, []), self.now())
-            again = list(self.m.live[cell])
-            if again:
-                ray.get(c.runner.start_runs.remote([self.cfg.work.spec(r, runs_per_group=g)
-                                                    for r in again]))
-                for run in again:
-                    self.m.restart_run(cell, run, self.now())
-                rerun += len(again)
+        self.m.resume(self.now())  # the runs it still owes stay live on their cells
+        from_spool = rerun = 0
+        for cell in range(len(self.cells)):
+            spooled, again = self._take_over_runs(cell)
+            from_spool, rerun = from_spool + spooled, rerun + again
             if self.m.role[cell] is Role.DRAINING:
                 self._rcall(cell, "drain")
         if self.spool is not None:  # results of runs started after the checkpoint: re-run
@@ -601,8 +598,8 @@ class RayActuator:
             self.spool.discard(self.spool.run_ids() - known - self.unsaved)
         self.resumed_at = time.time()
         self.faults.append({"kind": "driver", "cell": -1, "t": self.now(), "runs_rerun": rerun,
-                            "runs_from_spool": sum(len(v) for v in by_cell.values()),
-                            "micro_batches_redone": 0, "recover_s": 0.0})
+                            "runs_from_spool": from_spool, "micro_batches_redone": 0,
+                            "recover_s": 0.0})
 
     def result(self) -> RayResult:
         """Measurements of the finished job."""

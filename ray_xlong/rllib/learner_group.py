@@ -222,7 +222,7 @@ class ElasticLearnerGroup:
             # object store: its node may go next), redo the micro-batches of the lost ones.
             kept = {c: _gradient(grads[c]) for c in members}
             lost = [c for c in members if kept[c] is None]
-            gone = [c for c in members if c in dead and not _alive(self.learners[c])]
+            gone = [c for c in members if c in dead and not actor_alive(self.learners[c])]
             if not lost and not gone:
                 raise RuntimeError("ElasticLearnerGroup.finish: every member's update failed "
                                    "but no member or gradient was lost")
@@ -272,7 +272,7 @@ def _gradient(ref: Any) -> Any:
         raise
 
 
-def _alive(actor: Any) -> bool:
+def actor_alive(actor: Any) -> bool:
     """False once Ray reports ``actor`` dead (a busy actor counts as alive)."""
     try:
         ray.get(actor.__ray_ready__.remote(), timeout=2.0)
