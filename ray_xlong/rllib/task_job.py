@@ -92,7 +92,7 @@ def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None) ->
         rollout.warm_start.WarmStartFailed: the warm start did not take (nothing is cached).
     """
     from ray_xlong.models import build_tiny_model_dir
-    from ray_xlong.rollout.chat import ChatFormat
+    from ray_xlong.rollout.chat import format_for_tokenizer
     from ray_xlong.rollout.warm_start import WarmStartConfig, warm_start_policy
 
     warm = warm or WarmStartConfig()
@@ -102,7 +102,8 @@ def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None) ->
     reports = []
 
     def train(model, tokenizer):
-        reports.append(warm_start_policy(model, ChatFormat(tokenizer), warm, seed=seed))
+        reports.append(warm_start_policy(model, format_for_tokenizer(tokenizer), warm,
+                                         seed=seed))
 
     out = pathlib.Path(build_tiny_model_dir(path, seed=seed, train=train))
     report = dataclasses.asdict(reports[0])
