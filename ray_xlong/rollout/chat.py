@@ -178,9 +178,24 @@ def load_chat_format(model_dir: str | pathlib.Path, *, format: str | None = None
         tokenizer = load_tokenizer(path)
     except Exception as exc:  # noqa: BLE001 - name the directory
         raise ChatFormatError(f"model_dir {str(path)!r}: no loadable tokenizer: {exc}") from exc
+    check_vocab(path, tokenizer)
     return format_for_tokenizer(tokenizer, format=format or conf.get("format"),
                                 tool_parser=tool_parser or conf.get("tool_parser"),
                                 where=str(path))
+
+
+def check_vocab(path: pathlib.Path, tokenizer: Any) -> None:
+    """Raise :class:`ChatFormatError` when the tokenizer's ids do not fit the model's vocabulary
+    (``config.json``: what the engines and the Learner load)."""
+    conf_file = path / "config.json"
+    if not conf_file.is_file():
+        raise ChatFormatError(f"model_dir {str(path)!r}: no config.json (not a HF model dir)")
+    conf = json.loads(conf_file.read_text())
+    vocab = conf.get("vocab_size") or (conf.get("text_config") or {}).get("vocab_size")
+    if vocab is not None and len(tokenizer) > int(vocab):
+        raise ChatFormatError(f"model_dir {str(path)!r}: the tokenizer has {len(tokenizer)} ids "
+                              f"but the model's vocab_size is {vocab} (config.json): tokenizer "
+                              f"and model weights do not belong together")
 
 
 def format_for_tokenizer(tokenizer: Any, *, format: str | None = None,
