@@ -5,9 +5,9 @@
 
 One command: starts an embedded local Ray, builds a tiny model + tokenizer (a ChatML chat
 template, Hermes ``<tool_call>`` JSON tool calls: the template path a user's own model takes)
-and warm-starts it on the task's format (cached under --workdir), runs elastic training on 2 cells (each cell hosts a
-vLLM engine runner and an RLlib Learner and switches role on its own), shows a progress bar and
-a per-step table, then writes a timeline PNG of the cells' roles and prints a summary.
+and warm-starts it on the task's format (cached under --workdir), runs elastic training on 2
+cells (each cell hosts a vLLM engine runner and an RLlib Learner and switches role on its
+own), shows a progress bar and a per-step table, then writes a timeline PNG of the cells' roles and prints a summary.
 """
 
 from __future__ import annotations
