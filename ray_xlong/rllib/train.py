@@ -61,12 +61,14 @@ def row(report: StepReport) -> str:
 
 
 def _harness(chat: str) -> dict:
-    """The recipe's run budgets; a template's JSON tool call takes ~20 tokens, not ~5."""
+    """The recipe's run budgets; a template's JSON tool call takes ~20 tokens, not ~5, and the
+    template lists the tools in the prompt: no subagent tool (the warm start never saw one)."""
     from ray_xlong.rllib.algorithm_config import RECIPE_HARNESS
 
     if chat == "token":
         return {}
-    return {"harness": dataclasses.replace(RECIPE_HARNESS, max_new_tokens=32)}
+    return {"harness": dataclasses.replace(RECIPE_HARNESS, max_new_tokens=32,
+                                           max_subagent_depth=0)}
 
 
 def ensure_ray(cpus: int, gpus: int) -> None:
