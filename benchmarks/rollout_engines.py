@@ -161,11 +161,11 @@ def measure(engine_name: str, model_dir: str, args: argparse.Namespace) -> dict:
     import torch
 
     from ray_xlong.models import load_tokenizer
-    from ray_xlong.rollout import ChatFormat, HFEngine, Harness, HarnessConfig
+    from ray_xlong.rollout import TokenFormat, HFEngine, Harness, HarnessConfig
     from ray_xlong.rollout.tasks import ArithmeticTask
 
     torch.manual_seed(args.seed)
-    chat = ChatFormat(load_tokenizer(model_dir))
+    chat = TokenFormat(load_tokenizer(model_dir))
     max_len = 4096
     block = args.block_size
     start = time.perf_counter()

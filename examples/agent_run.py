@@ -18,16 +18,17 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ray_xlong.models import build_tiny_model_dir, load_model, load_tokenizer  # noqa: E402
-from ray_xlong.rollout import (ChatFormat, HFEngine, Harness, HarnessConfig,  # noqa: E402
-                               ScriptedEngine)
+from ray_xlong.rollout import (TokenFormat, HFEngine, Harness, HarnessConfig,  # noqa: E402
+                               ScriptedEngine, ToolCall)
 from ray_xlong.rollout.tasks import CodeTask  # noqa: E402
 from ray_xlong.rollout.tasks.code import demonstration_calls  # noqa: E402
 from ray_xlong.trajectory import PrefixTree, assemble, select  # noqa: E402
 
 
 def demo_policy(chat, task):
-    steps = [chat.call_ids(name, args) for name, args in demonstration_calls(task)]
-    steps.append(chat.answer_ids("done"))
+    steps = [chat.turn_ids(calls=[ToolCall(name, args)])
+             for name, args in demonstration_calls(task)]
+    steps.append(chat.turn_ids(text="done"))
     return lambda ids: steps[min(chat.decode(ids).count("<|tool|>"), len(steps) - 1)]
 
 
@@ -38,7 +39,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="xlong_example_") as tmp:
         model_dir = build_tiny_model_dir(os.path.join(tmp, "model"), seed=args.seed)
-        chat = ChatFormat(load_tokenizer(model_dir))
+        chat = TokenFormat(load_tokenizer(model_dir))
         task = CodeTask(args.seed)
         engine = (HFEngine(model_dir, seed=args.seed) if args.sample else
                   ScriptedEngine(demo_policy(chat, task), vocab_size=512,

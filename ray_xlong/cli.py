@@ -74,6 +74,9 @@ def _print_run(run, batch, args: argparse.Namespace) -> None:
         return
     kept = [t for t in batch.trajectories if t.run_id == run.run_id]
     dropped = [t for t in batch.dropped if t.run_id == run.run_id]
+    kinds = {k: sum(t.kind == k for t in kept) for k in dict.fromkeys(t.kind for t in kept)}
+    print(f"  trajectories: {len(kept)} kept ("
+          + ", ".join(f"{k} {n}" for k, n in kinds.items()) + f"), {len(dropped)} dropped")
     print("  | # | kind | agent | origin | calls | tokens | generated | weighted |")
     print("  |---|---|---|---|---|---|---|---|")
     for i, t in enumerate(kept):

@@ -8,6 +8,8 @@
       generation_config.json
       tokenizer.json           byte-level BPE + chat specials (models/tokenizer.py)
       tokenizer_config.json
+      chat_template.jinja      with ``style="chatml" | "llama3"`` (the template format)
+      xlong_chat.json          {"format": ..., "tool_parser": ...}: how the harness talks to it
 
 Invariants: the same arguments give byte-identical weights and the same vocabulary; the model's
 vocabulary covers the tokenizer's (rounded up to a multiple of 64); bos / eos / pad ids in the
@@ -36,7 +38,7 @@ def _round_up(n: int, multiple: int = 64) -> int:
 def build_tiny_model_dir(path: str | pathlib.Path, *, seed: int = 0, arch: str = "qwen2",
                          config: TinyModelConfig | None = None, tokenizer_vocab: int = 512,
                          extra_texts: Sequence[str] = (), dtype: torch.dtype = torch.float32,
-                         train: TrainFn | None = None) -> pathlib.Path:
+                         train: TrainFn | None = None, style: str = "token") -> pathlib.Path:
     """Build and save a tiny causal LM + tokenizer that HF and vLLM both load.
 
     Args:
@@ -49,13 +51,15 @@ def build_tiny_model_dir(path: str | pathlib.Path, *, seed: int = 0, arch: str =
         extra_texts: more tokenizer training text.
         dtype: weight dtype saved (float32 default; vLLM CPU also takes bfloat16).
         train: optional warm start applied before saving.
+        style: tokenizer style (``token`` | ``chatml`` | ``llama3``; ``build_tokenizer``); the
+            chat format and tool parser the harness uses go to ``xlong_chat.json``.
 
     Returns:
         The directory path.
     """
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size=tokenizer_vocab, extra_texts=extra_texts)
+    tokenizer = build_tokenizer(vocab_size=tokenizer_vocab, extra_texts=extra_texts, style=style)
     cfg = config if config is not None else TinyModelConfig(arch=arch)
     need = _round_up(len(tokenizer))
     if cfg.vocab_size < need:
@@ -70,7 +74,23 @@ def build_tiny_model_dir(path: str | pathlib.Path, *, seed: int = 0, arch: str =
         model.eval()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    write_chat_config(out, style=style)
     return out
+
+
+CHAT_CONFIG = "xlong_chat.json"
+"""File in a model directory naming its chat format and tool parser (optional for user dirs)."""
+
+
+def write_chat_config(path: str | pathlib.Path, *, style: str) -> None:
+    """Write :data:`CHAT_CONFIG` for a tokenizer style (``token`` → the token format)."""
+    import json
+
+    from ray_xlong.models.templates import STYLES
+
+    conf = ({"format": "token", "tool_parser": None} if style == "token" else
+            {"format": "template", "tool_parser": STYLES[style]["tool_parser"]})
+    (pathlib.Path(path) / CHAT_CONFIG).write_text(json.dumps(conf) + "\n")
 
 
 def load_tokenizer(path: str | pathlib.Path):

@@ -13,6 +13,10 @@ Special tokens (ids fixed, in this order, ``0 .. len(SPECIAL_TOKENS)-1``)::
 
 Invariants: the same corpus and vocab size give the same vocabulary, token for token (BPE
 training is deterministic); special tokens are never split and have the ids above.
+
+``style="chatml"`` / ``"llama3"`` build a tokenizer for the *template* format instead: the
+specials of ``models/templates.py`` (``<|im_start|>`` … or ``<|start_header_id|>`` …) at ids
+0.., its ``chat_template`` set, and tool-call JSON in the training corpus.
 """
 
 from __future__ import annotations
@@ -46,34 +50,61 @@ def default_corpus() -> tuple[str, ...]:
     return _CORPUS
 
 
-def build_tokenizer(*, vocab_size: int = 512, extra_texts: Sequence[str] = ()):
+_TEMPLATE_CORPUS: tuple[str, ...] = (
+    '<tool_call>\n{"name": "lookup", "arguments": {"key": 3}}\n</tool_call>',
+    '{"name": "add", "parameters": {"a": 3, "b": 4}}; {"name": "work", "parameters": {"step": 1}}',
+    '{"type": "function", "function": {"name": "lookup", "description": "The value of a key.", '
+    '"parameters": {"type": "object", "properties": {"key": {"type": "integer"}}, '
+    '"required": ["key"]}}}',
+    "<tool_response>\n47\n</tool_response> # Tools <tools> </tools> Call a tool with system "
+    "user assistant ipython Environment: ipython To call a function, respond with JSON",
+)
+
+
+def build_tokenizer(*, vocab_size: int = 512, extra_texts: Sequence[str] = (),
+                    style: str = "token"):
     """Train a byte-level BPE tokenizer with :data:`SPECIAL_TOKENS` (deterministic).
 
     Args:
         vocab_size: target vocabulary size including specials and the 256 byte symbols
             (must be ``>= 256 + len(SPECIAL_TOKENS)``).
         extra_texts: more training text (e.g. a task's prompts).
+        style: ``token`` (the token format's specials, no chat template) | ``chatml`` |
+            ``llama3`` (``models/templates.py``: specials, chat template, bos / eos / pad).
 
     Returns:
-        A ``transformers.PreTrainedTokenizerFast`` (bos ``<|bos|>``, eos ``<|eos|>``, pad
-        ``<|pad|>``).
+        A ``transformers.PreTrainedTokenizerFast`` (``token``: bos ``<|bos|>``, eos
+        ``<|eos|>``, pad ``<|pad|>``).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    floor = 256 + len(SPECIAL_TOKENS)
+    from ray_xlong.models.templates import STYLES
+
+    if style != "token" and style not in STYLES:
+        raise ValueError(f"build_tokenizer: style must be 'token' or one of {sorted(STYLES)}, "
+                         f"got {style!r}")
+    spec = STYLES.get(style)
+    specials = SPECIAL_TOKENS if spec is None else spec["specials"]
+    corpus = list(_CORPUS) + ([] if spec is None else list(_TEMPLATE_CORPUS))
+    floor = 256 + len(specials)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < floor:
         raise ValueError(f"build_tokenizer: vocab_size must be an int >= {floor}, "
                          f"got {vocab_size!r}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False, min_frequency=1)
-    tok.train_from_iterator(list(_CORPUS) + list(extra_texts), trainer=trainer)
-    for i, special in enumerate(SPECIAL_TOKENS):
+    tok.train_from_iterator(corpus + list(extra_texts), trainer=trainer)
+    for i, special in enumerate(specials):
         if tok.token_to_id(special) != i:
             raise RuntimeError(f"special token {special!r} got id {tok.token_to_id(special)}")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>",
-                                   eos_token="<|eos|>", pad_token="<|pad|>")
+    if spec is None:
+        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>",
+                                       eos_token="<|eos|>", pad_token="<|pad|>")
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=spec["bos"],
+                                  eos_token=spec["eos"], pad_token=spec["pad"])
+    out.chat_template = spec["template"]
+    return out

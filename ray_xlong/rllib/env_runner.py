@@ -37,7 +37,7 @@ from ray.rllib.env.env_runner import EnvRunner
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
 from ray_xlong.rllib.episodes import RUN_ACTION_SPACE, RUN_OBSERVATION_SPACE, run_to_episode
-from ray_xlong.rollout import ChatFormat, Engine, HFEngine, Harness, HarnessConfig, RunResult
+from ray_xlong.rollout import Engine, HFEngine, Harness, HarnessConfig, RunResult, load_chat_format
 from ray_xlong.rollout.tasks import TASKS, UnknownTaskError, make_task
 
 EngineFactory = Callable[[], Engine]
@@ -106,9 +106,7 @@ class AgentEnvRunner(EnvRunner):
         self._draining = False
         self._stopped = False
         self.engine: Engine = self._call(self._build_engine())
-        from ray_xlong.models.build import load_tokenizer
-
-        self.harness = Harness(self.engine, ChatFormat(load_tokenizer(cfg.model_dir)),
+        self.harness = Harness(self.engine, load_chat_format(cfg.model_dir),
                                config=cfg.harness)
 
     # -- plumbing ---------------------------------------------------------------------------

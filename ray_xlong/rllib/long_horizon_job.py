@@ -52,11 +52,11 @@ class LongHorizonJob:
 
 def oracle_engine(model_dir: str, num_steps: int, delegate_every: int):
     """The scripted oracle engine (logprobs from the model in ``model_dir``)."""
-    from ray_xlong.models import load_model, load_tokenizer
-    from ray_xlong.rollout import ChatFormat, ScriptedEngine
+    from ray_xlong.models import load_model
+    from ray_xlong.rollout import ScriptedEngine, load_chat_format
     from ray_xlong.rollout.tasks.long_horizon import oracle_policy
 
-    chat = ChatFormat(load_tokenizer(model_dir))
+    chat = load_chat_format(model_dir)
     model = load_model(model_dir)
     return ScriptedEngine(oracle_policy(chat, num_steps=num_steps, delegate_every=delegate_every),
                           vocab_size=model.config.vocab_size, model=model)

@@ -2,22 +2,28 @@
 
 * ``engine.py`` — the :class:`Engine` interface and the shared batching loop;
   ``hf_engine.py`` / ``vllm_engine.py`` / ``scripted.py`` — the backends.
-* ``chat.py`` / ``context.py`` — the token-level chat format and the context buffer.
+* ``chat.py`` — the chat-format interface; ``token_format.py`` (the tiny demo model's own
+  tokens) and ``template_format.py`` (any HF chat template); ``tool_calls.py`` — tool-call
+  parsing (vLLM's parsers) and tool schemas; ``context.py`` — the context buffer.
 * ``harness.py`` — :class:`Harness`: concurrent agent runs → token-exact ``AgentRun`` records.
 * ``tasks/`` — the task interface and the arithmetic, code and long-horizon tasks.
 
 ``vllm_engine`` is not imported here (vLLM is optional).
 """
 
-from ray_xlong.rollout.chat import Answer, ChatFormat, Malformed, ToolCall
+from ray_xlong.rollout.chat import (Answer, ChatFormat, ChatFormatError, Malformed, ToolCall,
+                                    ToolCalls, load_chat_format)
 from ray_xlong.rollout.context import Context, ContextFull
 from ray_xlong.rollout.engine import (BatchingEngine, Engine, EngineError, EngineStats,
                                       GenerateResult, SamplingConfig)
 from ray_xlong.rollout.harness import Harness, HarnessConfig, RunInfo, RunResult
 from ray_xlong.rollout.hf_engine import HFEngine
 from ray_xlong.rollout.scripted import ScriptedEngine, ScriptedPolicy
+from ray_xlong.rollout.token_format import TokenFormat
 
-__all__ = ["Answer", "BatchingEngine", "ChatFormat", "Context", "ContextFull", "Engine",
+__all__ = ["Answer", "BatchingEngine", "ChatFormat", "ChatFormatError", "Context", "ContextFull",
+           "Engine",
            "EngineError", "EngineStats", "GenerateResult", "HFEngine", "Harness",
            "HarnessConfig", "Malformed", "RunInfo", "RunResult", "SamplingConfig",
-           "ScriptedEngine", "ScriptedPolicy", "ToolCall"]
+           "ScriptedEngine", "ScriptedPolicy", "TokenFormat", "ToolCall", "ToolCalls",
+           "load_chat_format"]

@@ -1,43 +1,61 @@
-"""The token-level chat format: prompts, tool results and summaries built from token ids.
+"""Chat formats: how a harness turns environment text into context ids and model ids into actions.
 
-One run's context, as ids (``[x]`` is a special token of ``models/tokenizer.py``)::
+A format (:class:`ChatFormat`) starts one :class:`Conversation` per agent; the harness drives it::
 
-    [bos] [system] system text [end] [user] task text [end] [assistant]
-        model:  [call] add 3 4 [end]                       a tool call (name, then arguments)
-    [tool] 7 [end] [assistant]                             the tool's result (context)
-        model:  [answer] 7 [end]                           the final answer
+    conv = fmt.start(system, user, tools=schemas)    conv.prompt_ids: the first context
+    loop:  ctx += conv.delta()                        pending environment messages (+ the
+                                                      generation prompt), as an id *delta*
+           out = engine.generate(ctx)                 the model's ids, appended as sampled
+           action = conv.parse(out)                   ToolCalls | Answer | Malformed
+           conv.add_output(out, action)               remembered as the assistant turn
+           conv.add_tool_results([text, ...], ...)    one result per call, in order
+    compaction: ctx += conv.delta(summarize=True) → summary ids → conv.compacted(summary)
 
-    summary call:  <context> [summarize]  ->  model: summary text [end]
-    after compaction: [bos] [system] .. [end] [user] .. [end] [summary] <summary ids> [end] [assistant]
+Two formats:
 
-Environment text (system, task, tool results) is tokenized here; model output never is: a
-summary re-enters the context as the exact ids the model generated, and outputs are only
-*decoded* to be parsed into an :class:`Action`.
+* ``token`` (``token_format.py``, :class:`TokenFormat`): the tiny demo model's own special
+  tokens (``[call] name args [end]``), one tool call a turn, positional arguments mapped onto the
+  tool's schema.
+* ``template`` (``template_format.py``, :class:`TemplateFormat`): any HF tokenizer with a
+  ``chat_template``; tool calls in the model's convention, parsed by vLLM's tool parsers
+  (``tool_calls.py``: ``hermes`` / ``llama3_json``). Token-exact by construction: model ids are
+  never re-encoded; only environment messages are rendered, as the delta the template adds to
+  the conversation; where a template rewrites history the context keeps what the model saw and
+  ``Conversation.rewrites`` counts it.
 
-Parsing (``parse``): an output is well formed iff it ends with ``[end]``, starts with ``[call]``
-or ``[answer]`` and holds no other special token; a call names a tool (first word of its text,
-the rest are its arguments). Anything else is :class:`Malformed`, with the reason.
+:func:`load_chat_format` picks the format of a model directory (``xlong_chat.json``, else the
+tokenizer: a chat template → template format; the token format's specials → token format; else
+a :class:`ChatFormatError` naming the directory).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
+from typing import Any, Protocol, Sequence
 
 import numpy as np
-
-from ray_xlong.models.tokenizer import SPECIAL_TOKENS
-
-_ID = {name.strip("<|>"): i for i, name in enumerate(SPECIAL_TOKENS)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ToolCall:
-    """The model called a tool."""
+    """One tool call of a model turn."""
 
     name: str
-    """Tool name (first word of the call text)."""
-    args: str
-    """Everything after the name (leading whitespace stripped once)."""
+    """Tool name."""
+    arguments: Any
+    """Parsed arguments (a dict when well formed; the harness checks them against the schema)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolCalls:
+    """The model called one or more tools (executed and answered in order)."""
+
+    calls: tuple[ToolCall, ...]
+    """The calls, in the order the model wrote them."""
+    content: str = ""
+    """Text before the calls (may be empty)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,96 +74,152 @@ class Malformed:
     """Why (for logs and the error message shown to the model)."""
 
 
-Action = ToolCall | Answer | Malformed
+Action = ToolCalls | Answer | Malformed
 
 
-class ChatFormat:
-    """Builds context ids and parses outputs with a tokenizer from ``ray_xlong.models``."""
+class ChatFormatError(ValueError):
+    """A model directory / tokenizer cannot be used with the requested chat format."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        for name, i in _ID.items():
-            if tokenizer.convert_tokens_to_ids(f"<|{name}|>") != i:
-                raise ValueError(f"tokenizer: special token <|{name}|> must have id {i}")
-        self.end = _ID["end"]
-        self.call = _ID["call"]
-        self.answer = _ID["answer"]
-        self.summarize = _ID["summarize"]
-        self.stop_token_ids: tuple[int, ...] = (self.end,)
 
-    def encode(self, text: str) -> np.ndarray:
-        """Environment text → ids (special-token strings in ``text`` are not special)."""
-        ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-        return np.asarray(ids, np.int64)
+class Conversation(Protocol):
+    """One agent's conversation (see module docstring)."""
 
-    def decode(self, ids: np.ndarray) -> str:
-        """Ids → text (for parsing and display only)."""
-        return self.tokenizer.decode([int(t) for t in ids], skip_special_tokens=False)
-
-    def prompt(self, system: str, user: str) -> np.ndarray:
-        """``[bos] [system] system [end] [user] user [end] [assistant]``."""
-        return np.concatenate([[_ID["bos"], _ID["system"]], self.encode(system),
-                               [self.end, _ID["user"]], self.encode(user),
-                               [self.end, _ID["assistant"]]]).astype(np.int64)
-
-    def tool_result(self, text: str, *, max_tokens: int) -> np.ndarray:
-        """``[tool] text [end] [assistant]``; text cut to ``max_tokens`` ids (marked)."""
-        return self.wrap_tool_result(self.cut_tool_text(text, max_tokens=max_tokens)[0])
-
-    def cut_tool_text(self, text: str, *, max_tokens: int) -> tuple[np.ndarray, bool]:
-        """Tool output text → at most ``max_tokens`` ids, plus `` [truncated]`` when it was cut.
-
-        Only the first ``16 * max_tokens`` characters are tokenized (a flood of megabytes costs
-        no more than a short output); a cut there is marked too. Lone surrogates (not UTF-8)
-        become ``?`` instead of failing the tokenizer.
-
-        Returns:
-            ``(ids [<= max_tokens + marker], truncated)``.
-        """
-        limit = max_tokens * 16
-        head = text[:limit].encode("utf-8", "replace").decode("utf-8")
-        ids = self.encode(head)
-        truncated = len(text) > limit or ids.size > max_tokens
-        if truncated:
-            ids = np.concatenate([ids[:max_tokens], self.encode(" [truncated]")])
-        return ids.astype(np.int64, copy=False), truncated
-
-    def wrap_tool_result(self, ids: np.ndarray) -> np.ndarray:
-        """``[tool] ids [end] [assistant]``."""
-        return np.concatenate([[_ID["tool"]], ids, [self.end, _ID["assistant"]]]).astype(np.int64)
-
-    def compacted(self, prompt_ids: np.ndarray, summary_ids: np.ndarray) -> np.ndarray:
-        """A fresh context: the prompt, then ``[summary] <summary ids> [end] [assistant]``.
-
-        ``prompt_ids`` ends with ``[assistant]``, which is dropped before the summary."""
-        body = summary_ids[:-1] if summary_ids.size and summary_ids[-1] == self.end \
-            else summary_ids
-        return np.concatenate([prompt_ids[:-1], [_ID["summary"]], body,
-                               [self.end, _ID["assistant"]]]).astype(np.int64)
+    prompt_ids: np.ndarray
+    """The first context: system + user (+ tools), ending with the generation prompt."""
+    rewrites: int
+    """Deltas computed while the template rewrote earlier turns (0 for append-only templates)."""
 
     def parse(self, output_ids: np.ndarray) -> Action:
-        """Classify a model output (see module docstring)."""
-        ids = [int(t) for t in output_ids]
-        if not ids or ids[-1] != self.end:
-            return Malformed("output does not end with <|end|>")
-        head, body = ids[0], ids[1:-1]
-        if head not in (self.call, self.answer):
-            return Malformed("output must start with <|call|> or <|answer|>")
-        if any(t < len(SPECIAL_TOKENS) for t in body):
-            return Malformed("special token inside the output")
-        text = self.decode(np.asarray(body))
-        if head == self.answer:
-            return Answer(text.strip())
-        parts = text.strip().split(None, 1)
-        if not parts:
-            return Malformed("tool call names no tool")
-        return ToolCall(parts[0], parts[1] if len(parts) > 1 else "")
+        """Classify a model output."""
 
-    def call_ids(self, name: str, args: str = "") -> np.ndarray:
-        """The ids of a well-formed tool call (demonstrations, scripted policies)."""
-        text = f"{name} {args}" if args else name
-        return np.concatenate([[self.call], self.encode(text), [self.end]]).astype(np.int64)
+    def add_output(self, output_ids: np.ndarray, action: Action) -> None:
+        """The output was appended to the context: remember it as the assistant turn."""
 
-    def answer_ids(self, text: str) -> np.ndarray:
-        """The ids of a well-formed answer."""
-        return np.concatenate([[self.answer], self.encode(text), [self.end]]).astype(np.int64)
+    def add_tool_results(self, texts: Sequence[str], *, max_tokens: int) -> int:
+        """Queue one tool message per text (each cut to ``max_tokens``); returns how many
+        were cut."""
+
+    def delta(self, *, summarize: bool = False, commit: bool = True) -> np.ndarray:
+        """Ids the environment appends before the next model call: the queued messages
+        (+ the summary request) + the generation prompt; empty when nothing is queued."""
+
+    def compacted(self, summary_ids: np.ndarray) -> tuple[np.ndarray, "Conversation"]:
+        """A fresh context (prompt + the summary ids as generated + a continue turn) and its
+        conversation."""
+
+
+class ChatFormat(Protocol):
+    """A chat format (see module docstring)."""
+
+    stop_token_ids: tuple[int, ...]
+    """Ids that end a model turn (kept in the output)."""
+
+    def start(self, system: str, user: str, *, tools: Sequence[dict]) -> Conversation:
+        """A new conversation with OpenAI function schemas ``tools``."""
+
+    def turn_ids(self, *, calls: Sequence[ToolCall] = (), text: str = "") -> np.ndarray:
+        """The ids a model following the format emits for a turn (demonstrations, scripts)."""
+
+    def encode(self, text: str) -> np.ndarray:
+        """Environment text → ids."""
+
+    def decode(self, ids: np.ndarray) -> str:
+        """Ids → text (display and parsing only)."""
+
+
+def demonstration_ids(fmt: ChatFormat, *, system: str, user: str, tools: Sequence[dict],
+                      turns: Sequence[tuple[Sequence[ToolCall], str, Sequence[str]]]
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """A whole run as ``(ids [n], loss_mask [n] bool)`` (mask = the model's turns).
+
+    Args:
+        fmt: the chat format.
+        system, user, tools: the run's start.
+        turns: ``(calls, text, tool result texts)`` per model turn (no calls: an answer).
+    """
+    conv = fmt.start(system, user, tools=tools)
+    parts = [(conv.prompt_ids, False)]
+    for calls, text, results in turns:
+        delta = conv.delta()
+        if delta.size:
+            parts.append((delta, False))
+        out = fmt.turn_ids(calls=calls, text=text)
+        conv.add_output(out, ToolCalls(tuple(calls), text) if calls else Answer(text))
+        parts.append((out, True))
+        if results:
+            conv.add_tool_results(results, max_tokens=1 << 20)
+    ids = np.concatenate([p for p, _ in parts]).astype(np.int64)
+    mask = np.concatenate([np.full(p.size, m) for p, m in parts])
+    return ids, mask
+
+
+def load_chat_format(model_dir: str | pathlib.Path, *, format: str | None = None,
+                     tool_parser: str | None = None) -> ChatFormat:
+    """The chat format of a model directory.
+
+    Args:
+        model_dir: a local HF model directory (tokenizer files included).
+        format: ``token`` | ``template`` | None (``xlong_chat.json`` in the directory, else
+            ``template`` when the tokenizer has a chat template, else ``token`` when it has the
+            token format's special tokens).
+        tool_parser: vLLM tool parser name for the template format (``hermes`` |
+            ``llama3_json``); None: ``xlong_chat.json``, else guessed from the template.
+
+    Raises:
+        ChatFormatError: no chat template and no format given (names the directory), a
+            tokenizer the format cannot use, or an unknown format / parser.
+    """
+    from ray_xlong.models.build import load_tokenizer
+
+    path = pathlib.Path(model_dir)
+    conf_file = path / "xlong_chat.json"
+    conf = json.loads(conf_file.read_text()) if conf_file.is_file() else {}
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as exc:  # noqa: BLE001 - name the directory
+        raise ChatFormatError(f"model_dir {str(path)!r}: no loadable tokenizer: {exc}") from exc
+    check_vocab(path, tokenizer)
+    return format_for_tokenizer(tokenizer, format=format or conf.get("format"),
+                                tool_parser=tool_parser or conf.get("tool_parser"),
+                                where=str(path))
+
+
+def check_vocab(path: pathlib.Path, tokenizer: Any) -> None:
+    """Raise :class:`ChatFormatError` when the tokenizer's ids do not fit the model's vocabulary
+    (``config.json``: what the engines and the Learner load)."""
+    conf_file = path / "config.json"
+    if not conf_file.is_file():
+        raise ChatFormatError(f"model_dir {str(path)!r}: no config.json (not a HF model dir)")
+    conf = json.loads(conf_file.read_text())
+    vocab = conf.get("vocab_size") or (conf.get("text_config") or {}).get("vocab_size")
+    if vocab is not None and len(tokenizer) > int(vocab):
+        raise ChatFormatError(f"model_dir {str(path)!r}: the tokenizer has {len(tokenizer)} ids "
+                              f"but the model's vocab_size is {vocab} (config.json): tokenizer "
+                              f"and model weights do not belong together")
+
+
+def format_for_tokenizer(tokenizer: Any, *, format: str | None = None,
+                         tool_parser: str | None = None, where: str = "tokenizer"
+                         ) -> ChatFormat:
+    """The chat format of a loaded tokenizer (see :func:`load_chat_format`)."""
+    path = where
+    if format is None:
+        if getattr(tokenizer, "chat_template", None):
+            format = "template"
+        elif tokenizer.convert_tokens_to_ids("<|call|>") == 7:
+            format = "token"
+        else:
+            raise ChatFormatError(
+                f"model_dir {path!r}: the tokenizer has no chat_template and no chat format "
+                f"was given; add a chat template to tokenizer_config.json (or chat_template.jinja)"
+                f" or pass format='token' for a tokenizer with the token format's specials")
+    if format == "token":
+        from ray_xlong.rollout.token_format import TokenFormat
+
+        return TokenFormat(tokenizer)
+    if format == "template":
+        from ray_xlong.rollout.template_format import TemplateFormat
+
+        return TemplateFormat(tokenizer, tool_parser=tool_parser, where=path)
+    raise ChatFormatError(f"model_dir {path!r}: format must be 'token' or 'template', "
+                          f"got {format!r}")

@@ -3,16 +3,20 @@
 One run (``Harness.run``) is an asyncio task::
 
     main agent loop (agent "main", kind main)                     budgets checked before each call
-      ├─ context > compaction_budget ─► summary call (kind summary) on context + [summarize];
-      │                                 continue from prompt + [summary] <its ids>  (new trajectory)
-      ├─ engine.generate(ctx[:n]) ─► output ─► parse
+      ├─ context + pending delta > compaction_budget ─► summary call (kind summary) on context +
+      │                                 the format's summary request; continue from prompt +
+      │                                 <its ids> (new trajectory)
+      ├─ ctx += conv.delta() ; engine.generate(ctx[:n]) ─► output ─► conv.parse (``chat.py``)
       │     malformed, retries left ─► recorded, not appended; same context again (retry)
       │     malformed, none left    ─► appended + an error tool result
-      │     [call] subagent <task>  ─► child agent "subN" (kind subagent, parent = caller) with its
-      │                                own context; its answer is the tool result
-      │     [call] tool args        ─► env.call_tool under tool_timeout_s; crash / timeout → an
-      │                                error result; output cut to max_tool_output_tokens
-      │     [answer] text           ─► env.submit(text); the run is finished
+      │     tool calls (one or more) ─► each in order: unknown tool / arguments failing the
+      │                                tool's JSON schema → an error result; subagent(task) →
+      │                                child agent "subN" (kind subagent, parent = caller) with
+      │                                its own context, its answer is the result; else
+      │                                env.call_tool(name, arguments dict) under tool_timeout_s
+      │                                (crash / timeout → an error result); each result cut to
+      │                                max_tool_output_tokens, one tool message per call
+      │     answer                  ─► env.submit(text); the run is finished
       └─ engine error ─► retried up to max_engine_retries, then the run is failed
 
 Ends: ``finished`` (answer), ``timeout`` (wall clock, generated-token budget, call budget or a
@@ -39,6 +43,8 @@ Hard inputs (each a recorded outcome, never a hang, a crash of ``run_many`` or a
 Token exactness: a call's ``input_ids`` is the view ``ctx[:n]`` of the agent's buffer that was
 sent to the engine, its ``output_ids`` the engine's ids (a view of the buffer once appended, the
 engine's own array for a retried output); nothing the model generated is ever re-tokenized.
+Environment messages enter as the chat format's deltas (``RunInfo.template_rewrites`` counts
+deltas taken while a template rewrote history).
 """
 
 from __future__ import annotations
@@ -51,11 +57,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ray_xlong.rollout.chat import Answer, ChatFormat, Malformed, ToolCall
+from ray_xlong.rollout.chat import (Answer, ChatFormat, Conversation, Malformed, ToolCall,
+                                    ToolCalls)
 from ray_xlong.rollout.context import Context, ContextFull
 from ray_xlong.rollout.engine import Engine, EngineError, GenerateResult, SamplingConfig
 from ray_xlong.rollout.limits import bounded, call_tool, in_thread
 from ray_xlong.rollout.tasks.base import TaskEnv, TaskFailure, ToolError
+from ray_xlong.rollout.tool_calls import as_schema, check_call, function_schema
 from ray_xlong.trajectory import AgentRun, ModelCall, RecordError
 from ray_xlong.trajectory.records import as_logprobs, as_token_array
 
@@ -143,6 +151,8 @@ class RunInfo:
     """The error that failed the run, if any."""
     tool_truncations: int = 0
     """Tool results cut to ``max_tool_output_tokens``."""
+    template_rewrites: int = 0
+    """Deltas taken while the chat template rewrote earlier turns (the context kept them)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,6 +163,12 @@ class RunResult:
     """The token-exact, scored run."""
     info: RunInfo
     """Counts and why it stopped."""
+
+
+SUBAGENT_TOOL = function_schema(
+    "subagent", "Hand a subtask to a subagent; its answer is the result.",
+    {"task": {"type": "string", "description": "The subtask."}})
+"""The harness's own tool (offered while ``max_subagent_depth`` allows)."""
 
 
 class _Stop(Exception):
@@ -169,9 +185,10 @@ class _Agent:
     kind: str
     parent: str | None
     depth: int
-    prompt: np.ndarray
+    conv: Conversation
     ctx: Context
     max_calls: int
+    tools: tuple[dict, ...]
 
 
 class _RunState:
@@ -183,7 +200,7 @@ class _RunState:
         self.start = time.monotonic()
         self.generated = 0
         self.counts = dict(retries=0, engine_retries=0, compactions=0, subagents=0,
-                           tool_errors=0, tool_truncations=0)
+                           tool_errors=0, tool_truncations=0, template_rewrites=0)
 
     def record(self, agent: _Agent, kind: str, inp: np.ndarray, out: np.ndarray,
                result: GenerateResult, started: float) -> None:
@@ -213,10 +230,8 @@ class Harness:
         status, reason, error = "finished", "answer", None
         try:
             obs = _task_step(env.reset, "reset")
-            prompt = self.chat.prompt(obs.system, obs.prompt)
-            main = _Agent("main", "main", None, 0, prompt,
-                          Context(prompt, capacity=self.config.context_capacity),
-                          self.config.max_calls)
+            main = self._new_agent(env, "main", "main", None, 0, obs.system, obs.prompt,
+                                   self.config.max_calls)
             answer = await bounded(self._agent(state, env, main), self.config.wall_clock_s)
             if answer is None:
                 raise _Stop("timeout", "call_budget")
@@ -252,17 +267,39 @@ class Harness:
             raise _Stop("failed", "score_error", f"env.score must be finite, got {score}")
         return score
 
+    def _new_agent(self, env: TaskEnv, agent_id: str, kind: str, parent: str | None,
+                   depth: int, system: str, user: str, max_calls: int) -> _Agent:
+        """An agent with its conversation and context; the subagent tool while depth allows."""
+        tools = tuple(as_schema(t) for t in env.tools)
+        if depth < self.config.max_subagent_depth:
+            tools += (SUBAGENT_TOOL,)
+        conv = self.chat.start(system, user, tools=tools)
+        return _Agent(agent_id, kind, parent, depth, conv,
+                      Context(conv.prompt_ids, capacity=self.config.context_capacity),
+                      max_calls, tools)
+
+    def _append_delta(self, state: _RunState, agent: _Agent, *, summarize: bool = False
+                      ) -> None:
+        """Append the conversation's pending environment messages (its rewrites counted)."""
+        before = agent.conv.rewrites
+        delta = agent.conv.delta(summarize=summarize)
+        state.counts["template_rewrites"] += agent.conv.rewrites - before
+        if delta.size:
+            agent.ctx.append(delta)
+
     async def _agent(self, state: _RunState, env: TaskEnv, agent: _Agent) -> str | None:
         """Loop one agent until it answers (its answer) or runs out of calls (None)."""
         retries, calls = 0, 0
         while calls < agent.max_calls:
             calls += 1
-            if agent.ctx.n > self.config.compaction_budget:
+            pending = agent.conv.delta(commit=False)
+            if agent.ctx.n + pending.size > self.config.compaction_budget:
                 await self._compact(state, agent)
                 continue
+            self._append_delta(state, agent)
             inp = agent.ctx.view()
             result, started = await self._generate(state, inp, self.config.max_new_tokens)
-            action = self.chat.parse(result.output_ids)
+            action = agent.conv.parse(result.output_ids)
             if isinstance(action, Malformed) and retries < self.config.max_retries:
                 retries += 1
                 state.counts["retries"] += 1
@@ -271,35 +308,47 @@ class Harness:
             retries = 0
             out = agent.ctx.append(result.output_ids)
             state.record(agent, agent.kind, inp, out, result, started)
+            agent.conv.add_output(out, action)
             if isinstance(action, Answer):
                 return action.text
-            text = await self._act(state, env, agent, action)
-            ids, cut = self.chat.cut_tool_text(text, max_tokens=self.config.max_tool_output_tokens)
-            state.counts["tool_truncations"] += int(cut)
-            agent.ctx.append(self.chat.wrap_tool_result(ids))
+            texts = await self._act(state, env, agent, action)
+            state.counts["tool_truncations"] += agent.conv.add_tool_results(
+                texts, max_tokens=self.config.max_tool_output_tokens)
         return None
 
     async def _act(self, state: _RunState, env: TaskEnv, agent: _Agent,
-                   action: ToolCall | Malformed) -> str:
-        """The tool result text for an action (errors become text the agent sees)."""
+                   action: ToolCalls | Malformed) -> list[str]:
+        """One result text per call, in order (errors become text the agent sees)."""
         if isinstance(action, Malformed):
-            return f"error: malformed output ({action.reason})"
-        if action.name == "subagent":
-            return await self._subagent(state, env, agent, action.args)
+            return [f"error: malformed output ({action.reason})"]
+        return [await self._call(state, env, agent, call) for call in action.calls]
+
+    async def _call(self, state: _RunState, env: TaskEnv, agent: _Agent,
+                    call: ToolCall) -> str:
+        """The result text of one call: checked against its schema, then run under limits."""
+        if call.name == "subagent" and agent.depth >= self.config.max_subagent_depth:
+            state.counts["tool_errors"] += 1
+            return "error: subagents may not start subagents here"
+        error = check_call(call, agent.tools)
+        if error is not None:
+            state.counts["tool_errors"] += 1
+            return error
+        if call.name == "subagent":
+            return await self._subagent(state, env, agent, str(call.arguments["task"]))
         try:
-            return str(await bounded(call_tool(env, action.name, action.args),
+            return str(await bounded(call_tool(env, call.name, dict(call.arguments)),
                                       self.config.tool_timeout_s))
         except TaskFailure:
             raise
         except asyncio.TimeoutError:
             state.counts["tool_errors"] += 1
-            return f"error: tool {action.name} timed out after {self.config.tool_timeout_s:g} s"
+            return f"error: tool {call.name} timed out after {self.config.tool_timeout_s:g} s"
         except ToolError as exc:
             state.counts["tool_errors"] += 1
             return f"error: {exc}"
         except Exception as exc:  # noqa: BLE001 - a crashing tool is the agent's problem
             state.counts["tool_errors"] += 1
-            return f"error: tool {action.name} crashed: {exc!r}"
+            return f"error: tool {call.name} crashed: {exc!r}"
 
     async def _subagent(self, state: _RunState, env: TaskEnv, parent: _Agent,
                         task_text: str) -> str:
@@ -307,23 +356,21 @@ class Harness:
             state.counts["tool_errors"] += 1
             return "error: subagents may not start subagents here"
         state.counts["subagents"] += 1
-        prompt = self.chat.prompt("You are a subagent.", f"Subtask: {task_text}")
-        child = _Agent(f"sub{state.counts['subagents']}", "subagent", parent.agent_id,
-                       parent.depth + 1, prompt,
-                       Context(prompt, capacity=self.config.context_capacity),
-                       self.config.subagent_max_calls)
+        child = self._new_agent(env, f"sub{state.counts['subagents']}", "subagent",
+                                parent.agent_id, parent.depth + 1, "You are a subagent.",
+                                f"Subtask: {task_text}", self.config.subagent_max_calls)
         answer = await self._agent(state, env, child)
         return answer if answer is not None else "error: the subagent gave no answer"
 
     async def _compact(self, state: _RunState, agent: _Agent) -> None:
-        """Summary call on the context + [summarize]; continue from prompt + summary."""
+        """Summary call on the context + the summary request; continue from prompt + summary."""
         state.counts["compactions"] += 1
-        agent.ctx.append(np.array([self.chat.summarize], np.int64))
+        self._append_delta(state, agent, summarize=True)
         inp = agent.ctx.view()
         result, started = await self._generate(state, inp, self.config.summary_max_tokens)
         out = agent.ctx.append(result.output_ids)
         state.record(agent, "summary", inp, out, result, started)
-        fresh = self.chat.compacted(agent.prompt, np.asarray(out))
+        fresh, agent.conv = agent.conv.compacted(np.asarray(out))
         agent.ctx = Context(fresh, capacity=self.config.context_capacity)
 
     async def _generate(self, state: _RunState, inp: np.ndarray,

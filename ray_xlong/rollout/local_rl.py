@@ -37,8 +37,8 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 import torch
 
-from ray_xlong.models import build_tiny_model_dir, load_model, load_tokenizer
-from ray_xlong.rollout.chat import ChatFormat
+from ray_xlong.models import build_tiny_model_dir, load_model
+from ray_xlong.rollout.chat import ChatFormat, format_for_tokenizer, load_chat_format
 from ray_xlong.rollout.engine import Engine
 from ray_xlong.rollout.harness import Harness, HarnessConfig
 from ray_xlong.rollout.hf_engine import HFEngine
@@ -232,7 +232,7 @@ def build_setup(config: LocalRLConfig, workdir: str | pathlib.Path) -> _Setup:
     chat_box: list[ChatFormat] = []
 
     def train(model, tokenizer):
-        chat_box.append(ChatFormat(tokenizer))
+        chat_box.append(format_for_tokenizer(tokenizer))
         warm_start_policy(model, chat_box[0], config.warm, seed=config.seed)
 
     model_dir = build_tiny_model_dir(pathlib.Path(workdir) / "policy", seed=config.seed,
@@ -245,7 +245,7 @@ def build_setup(config: LocalRLConfig, workdir: str | pathlib.Path) -> _Setup:
     learner = load_model(model_dir, attn_implementation=attn)
     engine = HFEngine(model_dir, max_batch_size=config.groups * config.runs_per_group,
                       seed=config.seed)
-    harness = Harness(engine, ChatFormat(load_tokenizer(model_dir)), config=config.harness)
+    harness = Harness(engine, load_chat_format(model_dir), config=config.harness)
     optimizer = torch.optim.AdamW(learner.parameters(), lr=config.lr, weight_decay=0.0)
     processor = TrajectoryProcessor(ProcessorConfig(pack=config.pack,
                                                     normalize_std=config.normalize_std))

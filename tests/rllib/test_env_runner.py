@@ -15,7 +15,7 @@ from ray.rllib.algorithms.ppo import PPOConfig
 from ray_xlong.models import build_tiny_model_dir, load_model, load_tokenizer
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig, RunSpec
 from ray_xlong.rllib.episodes import runs_from_episodes
-from ray_xlong.rollout import ChatFormat, HarnessConfig, ScriptedEngine
+from ray_xlong.rollout import TokenFormat, HarnessConfig, ScriptedEngine
 from ray_xlong.rollout.tasks import UnknownTaskError
 
 pytestmark = pytest.mark.rllib
@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
 
 
 def scripted_factory(model_dir):
-    chat = ChatFormat(load_tokenizer(model_dir))
+    chat = TokenFormat(load_tokenizer(model_dir))
 
     def policy(ids):
         text = chat.decode(ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ray_xlong.models import build_tiny_model_dir, load_tokenizer
-from ray_xlong.rollout import ChatFormat
+from ray_xlong.rollout import TokenFormat
 
 
 @pytest.fixture(scope="session")
@@ -15,4 +15,4 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def chat(model_dir):
-    return ChatFormat(load_tokenizer(model_dir))
+    return TokenFormat(load_tokenizer(model_dir))

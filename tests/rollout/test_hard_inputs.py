@@ -106,7 +106,7 @@ def test_blocking_sync_tool_is_cut_and_other_runs_go_on(chat):
     event loop serves the other run and the engine meanwhile, and the blocked run is answered."""
     release = threading.Event()
     blocked = SyncEnv(tools={"block": lambda args: release.wait() and "late"})
-    quick = SyncEnv(tools={"echo": lambda args: f"echo {args}!"})
+    quick = SyncEnv(tools={"echo": lambda args: f"echo {args.get('args', '')}!"})
     # One harness, two concurrent runs; each env's policy is told apart by its prompt.
     blocked.reset = lambda: Observation("Test hard inputs.", "blocking task")
     quick.reset = lambda: Observation("Test hard inputs.", "quick task")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ray_xlong.models import load_model
-from ray_xlong.rollout import ChatFormat, HarnessConfig, HFEngine, Harness
+from ray_xlong.rollout import TokenFormat, HarnessConfig, HFEngine, Harness
 from ray_xlong.rollout.local_rl import (LocalRLConfig, WarmStartConfig, push_weights, rollout,
                                         run_local_rl, train_step)
 from ray_xlong.rollout.tasks import make_task
@@ -26,10 +26,10 @@ def test_lookup_rewards_right_value_partial_credit_and_wrong_key():
     task.reset()
     assert task.score() == 0.0
     wrong = next(k for k in task.table if k != task.key)
-    assert asyncio.run(task.call_tool("lookup", wrong)) == task.table[wrong]
+    assert asyncio.run(task.call_tool("lookup", {"key": int(wrong)})) == task.table[wrong]
     task.submit(task.table[wrong])
     assert task.score() == 0.0                         # a wrong key's value earns nothing
-    assert asyncio.run(task.call_tool("lookup", f" {task.key} ")) == task.value
+    assert asyncio.run(task.call_tool("lookup", {"key": int(task.key)})) == task.value
     assert task.score() == 0.2                         # right key looked up, wrong answer
     task.submit(task.value)
     assert task.score() == 1.0
@@ -42,7 +42,7 @@ def test_lookup_value_is_only_reachable_through_the_tool():
     assert len(set(LookupTask(s).value for s in range(50))) > 20      # values vary by seed
 
 
-@pytest.mark.parametrize("args", ["", "x", "10", "1 2"])
+@pytest.mark.parametrize("args", [{}, {"key": "x"}, {"key": 10}, {"key": "1 2"}])
 def test_lookup_bad_key_is_a_tool_error(args):
     from ray_xlong.rollout.tasks import ToolError
 

@@ -19,7 +19,7 @@ def test_task_contract(name):
         obs = env.reset()
         assert obs.system and obs.prompt and env.tools
         with pytest.raises(ToolError):
-            asyncio.run(env.call_tool("no_such_tool", ""))
+            asyncio.run(env.call_tool("no_such_tool", {}))
         assert 0.0 <= env.score() <= 1.0
         env.submit("whatever")
         assert 0.0 <= env.score() <= 1.0
@@ -32,7 +32,7 @@ def test_arithmetic_rewards_answer_and_partial_credit():
     task = ArithmeticTask(4)
     task.reset()
     assert task.score() == 0.0
-    assert asyncio.run(task.call_tool("add", f"{task.a} {task.b}")) == str(task.a + task.b)
+    assert asyncio.run(task.call_tool("add", {"a": task.a, "b": task.b})) == str(task.a + task.b)
     assert task.score() == 0.2
     task.submit(str(task.a + task.b))
     assert task.score() == 1.0
@@ -42,6 +42,7 @@ def test_arithmetic_demonstration_masks_the_model_turns(chat):
     ids, mask = demonstration(ArithmeticTask(0), chat)
     assert ids.size == mask.size and 0 < mask.sum() < ids.size
     assert chat.decode(ids[mask]).startswith("<|call|>add")
+    assert all(t["type"] == "function" for t in ArithmeticTask(0).tools)   # OpenAI schemas
 
 
 def run_code(task, calls):
@@ -56,16 +57,17 @@ def test_code_task_full_partial_and_hanging_solutions():
         outputs = run_code(task, demonstration_calls(task))
         assert "passed" in outputs[-1] and task.score() == 1.0
         first = task.funcs[0]
-        run_code(task, [("write", f"solution.py\ndef {first}(a, b):\n    return 0\n"
-                                  f"def {task.funcs[1]}(a, b):\n    return "
-                                  f"{demonstration_calls(task)[0][1].split('return ')[2]}")])
+        second = demonstration_calls(task)[0][1]["content"].split("return ")[2]
+        run_code(task, [("write", {"path": "solution.py", "content":
+                                   f"def {first}(a, b):\n    return 0\n"
+                                   f"def {task.funcs[1]}(a, b):\n    return {second}"})])
         assert 0.0 < task.score() < 1.0
         task.test_timeout_s = 1.0
-        run_code(task, [("write", "solution.py\nwhile True:\n    pass\n")])
-        assert "killed after 1 s" in run_code(task, [("run_tests", "")])[0]
+        run_code(task, [("write", {"path": "solution.py", "content": "while True:\n    pass\n"})])
+        assert "killed after 1 s" in run_code(task, [("run_tests", {})])[0]
         assert task.score() == 0.0
         with pytest.raises(ToolError, match="outside"):
-            run_code(task, [("write", "../escape.py\nx = 1")])
+            run_code(task, [("write", {"path": "../escape.py", "content": "x = 1"})])
     finally:
         task.close()
     assert not task.workspace.exists()
@@ -89,7 +91,7 @@ def test_long_horizon_latencies_are_heavy_tailed_and_seeded():
         out = []
         for k in range(1, 401):
             before = env.tool_seconds
-            asyncio.run(env.call_tool("work", str(k)))
+            asyncio.run(env.call_tool("work", {"step": k}))
             out.append(env.tool_seconds - before)
         return np.array(out)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ray_xlong.models import build_tiny_model_dir, load_model, load_tokenizer
-from ray_xlong.rollout import ChatFormat
+from ray_xlong.rollout import TokenFormat
 from ray_xlong.rollout.tasks.lookup import LookupTask, demonstration
 from ray_xlong.rollout.warm_start import (WarmStartConfig, WarmStartFailed, _segments,
                                           score_format, warm_start_policy)
@@ -63,7 +63,7 @@ def test_recipe_gives_seed_3_a_usable_start(tmp_path):
     """Seed 3 (lr 3e-3: key and value copies at chance, reward 0.00) now copies the value
     every time and looks the right key up at a rate RL can raise (measured: 0.38)."""
     model_dir = build_tiny_model_dir(tmp_path / "s3", seed=3)
-    chat = ChatFormat(load_tokenizer(model_dir))
+    chat = TokenFormat(load_tokenizer(model_dir))
     report = warm_start_policy(load_model(model_dir), chat, WarmStartConfig(), seed=3)
     assert report.clean.accuracy >= 0.9 and report.final_noisy.answer_accuracy >= 0.9
     assert 0.15 <= report.final_clean.right_key_prob <= 0.7

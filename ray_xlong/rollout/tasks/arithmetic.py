@@ -1,8 +1,8 @@
 """A learnable multi-turn task: add two numbers with a tool, then answer (verifiable reward).
 
     user:  What is 3 plus 4?
-    model: [call] add 3 4 [end]        tool: 7
-    model: [answer] 7 [end]            reward 1.0
+    model: add({"a": 3, "b": 4})      tool: 7
+    model: answer 7                    reward 1.0
 
 Reward (``score``): 1.0 for the right answer; 0.2 when the answer is missing or wrong but the
 ``add`` tool was called with the right operands (partial credit, so a tiny warm-started model
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ray_xlong.rollout.chat import ToolCall, demonstration_ids
 from ray_xlong.rollout.tasks.base import Observation, ToolError
+from ray_xlong.rollout.tool_calls import function_schema
 
 SYSTEM = "Use the add tool, then answer."
 
@@ -22,7 +24,8 @@ SYSTEM = "Use the add tool, then answer."
 class ArithmeticTask:
     """One instance (see module docstring)."""
 
-    tools = ("add",)
+    tools = (function_schema("add", "The sum of two integers.",
+                             {"a": {"type": "integer"}, "b": {"type": "integer"}}),)
 
     def __init__(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -34,13 +37,13 @@ class ArithmeticTask:
         self.answer, self.called_right = None, False
         return Observation(SYSTEM, f"What is {self.a} plus {self.b}?")
 
-    async def call_tool(self, name: str, args: str) -> str:
+    async def call_tool(self, name: str, args: dict) -> str:
         if name != "add":
             raise ToolError(f"unknown tool {name!r}; tools: add")
         try:
-            x, y = (int(v) for v in args.split())
-        except ValueError:
-            raise ToolError(f"add takes two integers, got {args!r}") from None
+            x, y = int(args["a"]), int(args["b"])
+        except (KeyError, TypeError, ValueError):
+            raise ToolError(f"add takes two integers a and b, got {args!r}") from None
         self.called_right |= {x, y} == {self.a, self.b} and x + y == self.a + self.b
         return str(x + y)
 
@@ -60,10 +63,6 @@ def demonstration(task: ArithmeticTask, chat) -> tuple[np.ndarray, np.ndarray]:
     """The ideal run as one sequence: ``(ids [n], loss_mask [n] bool)`` (mask = model turns)."""
     obs = task.reset()
     total = task.a + task.b
-    parts = [(chat.prompt(obs.system, obs.prompt), False),
-             (chat.call_ids("add", f"{task.a} {task.b}"), True),
-             (chat.tool_result(str(total), max_tokens=16), False),
-             (chat.answer_ids(str(total)), True)]
-    ids = np.concatenate([p for p, _ in parts])
-    mask = np.concatenate([np.full(p.size, m) for p, m in parts])
-    return ids, mask
+    return demonstration_ids(chat, system=obs.system, user=obs.prompt, tools=task.tools,
+                             turns=[([ToolCall("add", {"a": task.a, "b": task.b})], "",
+                                     [str(total)]), ((), str(total), ())])

@@ -5,7 +5,8 @@ A *task* is a factory ``make(seed) -> TaskEnv``; a ``TaskEnv`` is one task insta
     env = make(seed)
     obs = env.reset()                       -> Observation(system, prompt)   (text; the harness
                                                tokenizes it with its ChatFormat)
-    text = await env.call_tool(name, args)  -> the tool's output text (any length: the harness
+    text = await env.call_tool(name, args)  -> the tool's output text (``args``: a dict that
+                                               passed the tool's JSON schema; any length: the harness
                                                truncates); raise ToolError for a bad call (the
                                                agent sees the message), TaskFailure when the
                                                environment itself broke (the run fails)
@@ -15,7 +16,11 @@ A *task* is a factory ``make(seed) -> TaskEnv``; a ``TaskEnv`` is one task insta
                                                may block (e.g. runs tests): called in a thread
     env.close()                             release resources (workspaces, processes)
 
-``TaskEnv.tools`` names the task's tools (``subagent`` is the harness's own). Envs are used
+``TaskEnv.tools`` declares the task's tools as OpenAI function schemas (``{"type": "function",
+"function": {"name", "description", "parameters": <JSON schema>}}``, see
+``rollout.tool_calls.function_schema``; ``subagent`` is the harness's own). The harness checks
+each call's arguments against the schema (a failure is an error result the agent sees, the
+tool is not called); a bare tool name stands for a tool taking any object. Envs are used
 from one event loop, shared by every run: an ``async`` ``call_tool`` must not block it (and
 should be cancellable; one that is not is abandoned at its time limit). A tool doing blocking
 work may instead define ``call_tool`` as a plain function: the harness runs it in its own thread
@@ -53,12 +58,12 @@ class UnknownTaskError(KeyError):
 class TaskEnv(Protocol):
     """One task instance for one run (see module docstring)."""
 
-    tools: tuple[str, ...]
+    tools: tuple[dict, ...]
 
     def reset(self) -> Observation:
         """Start (or restart) the instance; returns the observation."""
 
-    async def call_tool(self, name: str, args: str) -> str:
+    async def call_tool(self, name: str, args: dict) -> str:
         """Run tool ``name`` with ``args``; returns its output text."""
 
     def submit(self, answer: str) -> None:

@@ -1,10 +1,10 @@
 """A code task with real tools: write files into a temporary workspace, run pytest on them.
 
-Tools (``args`` is the text after the tool name)::
+Tools (OpenAI function schemas; arguments as a dict)::
 
-    write <path>\\n<content>     write a file inside the workspace (paths may not leave it)
-    read <path>                 a file's content
-    run_tests                   ``python -m pytest -q`` in a subprocess, killed after
+    write(path, content)        write a file inside the workspace (paths may not leave it)
+    read(path)                  a file's content
+    run_tests()                 ``python -m pytest -q`` in a subprocess, killed after
                                 ``test_timeout_s``; its output (the harness truncates it)
 
 The score is the fraction of the task's tests that pass (partial work counts), measured by
@@ -27,6 +27,7 @@ import tempfile
 import numpy as np
 
 from ray_xlong.rollout.tasks.base import Observation, ToolError
+from ray_xlong.rollout.tool_calls import function_schema
 
 SYSTEM = "Write solution.py in the workspace, then run_tests. Tools: write, read, run_tests."
 
@@ -40,7 +41,10 @@ MAX_OUTPUT_BYTES = 1 << 20
 class CodeTask:
     """One instance (see module docstring)."""
 
-    tools = ("write", "read", "run_tests")
+    tools = (function_schema("write", "Write a file in the workspace.",
+                             {"path": {"type": "string"}, "content": {"type": "string"}}),
+             function_schema("read", "Read a file of the workspace.", {"path": {"type": "string"}}),
+             function_schema("run_tests", "Run the tests; their output.", {}))
 
     def __init__(self, seed: int, *, test_timeout_s: float = 20.0) -> None:
         rng = np.random.default_rng(seed)
@@ -70,21 +74,21 @@ class CodeTask:
             raise ToolError(f"path {rel.strip()!r} is outside the workspace")
         return path
 
-    async def call_tool(self, name: str, args: str) -> str:
+    async def call_tool(self, name: str, args: dict) -> str:
         if name == "write":
-            rel, _, content = args.partition("\n")
+            rel, content = str(args.get("path", "")), str(args.get("content", ""))
             path = self._path(rel)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)
             return f"wrote {len(content)} characters to {rel.strip()}"
         if name == "read":
-            path = self._path(args)
+            path = self._path(str(args.get("path", "")))
             if not path.is_file():
-                raise ToolError(f"no file {args.strip()!r}")
+                raise ToolError(f"no file {str(args.get('path', '')).strip()!r}")
             return path.read_text()
         if name == "run_tests":
             return await run_pytest(self.workspace, timeout_s=self.test_timeout_s)
-        raise ToolError(f"unknown tool {name!r}; tools: {', '.join(self.tools)}")
+        raise ToolError(f"unknown tool {name!r}; tools: write, read, run_tests")
 
     def submit(self, answer: str) -> None:
         self.answer = answer
@@ -145,7 +149,7 @@ async def _read_capped(stream: asyncio.StreamReader) -> bytes:
     return b"".join(chunks)
 
 
-def demonstration_calls(task: CodeTask) -> list[tuple[str, str]]:
-    """The ideal tool calls (name, args) for scripted policies and warm starts."""
+def demonstration_calls(task: CodeTask) -> list[tuple[str, dict]]:
+    """The ideal tool calls (name, arguments) for scripted policies and warm starts."""
     body = "\n\n".join(f"def {f}(a, b):\n    return {_FUNCS[f][0]}" for f in task.funcs)
-    return [("write", f"solution.py\n{body}\n"), ("run_tests", "")]
+    return [("write", {"path": "solution.py", "content": f"{body}\n"}), ("run_tests", {})]

@@ -18,7 +18,9 @@ import re
 
 import numpy as np
 
+from ray_xlong.rollout.chat import ToolCall
 from ray_xlong.rollout.tasks.base import Observation, ToolError
+from ray_xlong.rollout.tool_calls import function_schema
 
 SYSTEM = "Do every step in order with work, delegate with subagent, answer done."
 _STEP = re.compile(r"step (\d+) done")
@@ -52,7 +54,8 @@ class LongHorizonConfig:
 class LongHorizonTask:
     """One instance (see module docstring)."""
 
-    tools = ("work",)
+    tools = (function_schema("work", "Do step k (in order, from 1).",
+                             {"step": {"type": "integer", "minimum": 1}}),)
 
     def __init__(self, seed: int, *, config: LongHorizonConfig = LongHorizonConfig()) -> None:
         self.config = config
@@ -65,12 +68,12 @@ class LongHorizonTask:
         self.done, self.answer = 0, None
         return Observation(SYSTEM, f"Finish {self.config.num_steps} steps.")
 
-    async def call_tool(self, name: str, args: str) -> str:
+    async def call_tool(self, name: str, args: dict) -> str:
         if name != "work":
             raise ToolError(f"unknown tool {name!r}; tools: work, subagent")
         try:
-            step = int(args.split()[0])
-        except (ValueError, IndexError):
+            step = int(args["step"])
+        except (KeyError, TypeError, ValueError):
             raise ToolError(f"work takes a step number, got {args!r}") from None
         if step != self.done + 1:
             raise ToolError(f"step {step} is out of order; next is {self.done + 1}")
@@ -101,20 +104,25 @@ def oracle_policy(chat, *, num_steps: int, delegate_every: int = 3):
     done`` at the end. Subagent: ``work k`` once, then ``answer step k done``. Summary call:
     ``step k done`` for the last step seen.
     """
+    from ray_xlong.rollout.template_format import SUMMARY_REQUEST
+
+    def call(name: str, **args) -> np.ndarray:
+        return chat.turn_ids(calls=[ToolCall(name, args)])
+
     def policy(input_ids: np.ndarray) -> np.ndarray:
         text = chat.decode(input_ids)
         done = max((int(k) for k in _STEP.findall(text)), default=0)
-        if int(input_ids[-1]) == chat.summarize:
-            return np.concatenate([chat.encode(f"step {done} done"), [chat.end]])
-        sub = re.search(r"do step (\d+)", text.split("<|user|>")[-1] if "<|user|>" in text
-                        else "")
-        if sub and "Subtask" in text:
+        if int(input_ids[-1]) == getattr(chat, "summarize", -1) \
+                or SUMMARY_REQUEST in text[-200:]:
+            return chat.turn_ids(text=f"step {done} done") if not hasattr(chat, "summarize") \
+                else np.concatenate([chat.encode(f"step {done} done"), [chat.end]])
+        sub = re.search(r"Subtask: do step (\d+)", text)
+        if sub:
             k = int(sub.group(1))
-            return chat.answer_ids(f"step {k} done") if done >= k else chat.call_ids(
-                "work", str(k))
+            return chat.turn_ids(text=f"step {k} done") if done >= k else call("work", step=k)
         if done >= num_steps:
-            return chat.answer_ids("done")
+            return chat.turn_ids(text="done")
         if delegate_every and (done + 1) % delegate_every == 0:
-            return chat.call_ids("subagent", f"do step {done + 1}")
-        return chat.call_ids("work", str(done + 1))
+            return call("subagent", task=f"do step {done + 1}")
+        return call("work", step=done + 1)
     return policy

@@ -1,8 +1,11 @@
 """The learnable task: look a key up in a hidden table with a tool, then answer its value.
 
     user:  What is the value of key 3?
-    model: [call] lookup 3 [end]        tool: 47          (the table is only reachable here)
-    model: [answer] 47 [end]            reward 1.0
+    model: lookup({"key": 3})           tool: 47          (the table is only reachable here)
+    model: answer 47                    reward 1.0
+
+(in the model's chat format: ``[call] lookup 3 [end]`` in the token format,
+``<tool_call>{"name": "lookup", "arguments": {"key": 3}}</tool_call>`` in a ChatML template.)
 
 Reward (``score``, verifiable): 1.0 when the answer is the target key's value; 0.2 when the
 target key was looked up but the answer is missing or wrong (partial credit); 0 otherwise.
@@ -26,7 +29,9 @@ from typing import Sequence
 
 import numpy as np
 
+from ray_xlong.rollout.chat import ToolCall, demonstration_ids
 from ray_xlong.rollout.tasks.base import Observation, ToolError
+from ray_xlong.rollout.tool_calls import function_schema
 
 SYSTEM = "Use the lookup tool, then answer."
 PARTIAL_CREDIT = 0.2
@@ -35,8 +40,6 @@ PARTIAL_CREDIT = 0.2
 
 class LookupTask:
     """One instance (see module docstring)."""
-
-    tools = ("lookup",)
 
     def __init__(self, seed: int, *, num_keys: int = 10) -> None:
         if isinstance(num_keys, bool) or not isinstance(num_keys, int) \
@@ -48,6 +51,8 @@ class LookupTask:
         self.key = str(int(rng.integers(0, num_keys)))
         self.answer: str | None = None
         self.looked_up_right = False
+        self.tools = (function_schema("lookup", "The value of a key in the table.", {
+            "key": {"type": "integer", "minimum": 0, "maximum": num_keys - 1}}),)
 
     @property
     def value(self) -> str:
@@ -58,10 +63,10 @@ class LookupTask:
         self.answer, self.looked_up_right = None, False
         return Observation(SYSTEM, f"What is the value of key {self.key}?")
 
-    async def call_tool(self, name: str, args: str) -> str:
+    async def call_tool(self, name: str, args: dict) -> str:
         if name != "lookup":
             raise ToolError(f"unknown tool {name!r}; tools: lookup")
-        key = args.strip()
+        key = str(args.get("key"))
         if key not in self.table:
             raise ToolError(f"lookup: no key {key!r}; keys are 0-{len(self.table) - 1}")
         self.looked_up_right |= key == self.key
@@ -86,13 +91,9 @@ def demonstration(task: LookupTask, chat, *, key: str | None = None
     obs = task.reset()
     key = task.key if key is None else key
     value = task.table[key]
-    parts = [(chat.prompt(obs.system, obs.prompt), False),
-             (chat.call_ids("lookup", key), True),
-             (chat.tool_result(value, max_tokens=16), False),
-             (chat.answer_ids(value), True)]
-    ids = np.concatenate([p for p, _ in parts])
-    mask = np.concatenate([np.full(p.size, m) for p, m in parts])
-    return ids, mask
+    return demonstration_ids(chat, system=obs.system, user=obs.prompt, tools=task.tools,
+                             turns=[([ToolCall("lookup", {"key": int(key)})], "", [value]),
+                                    ((), value, ())])
 
 
 def noisy_demonstrations(chat, *, count: int, right_key_rate: float, seed: int,

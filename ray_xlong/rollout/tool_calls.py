@@ -1,0 +1,119 @@
+"""Tool calls in a model's own convention (vLLM's parsers) and tool schemas (OpenAI functions).
+
+Parsing a finished turn's text (the end-of-turn token already stripped)::
+
+    hermes       <tool_call>\\n{"name": "lookup", "arguments": {"key": 3}}\\n</tool_call>  (Qwen2.5,
+                 Hermes, Qwen3 JSON; several blocks = several calls)
+    llama3_json  {"name": "lookup", "parameters": {"key": 3}}; {"name": ...}       (Llama 3.x;
+                 optionally after <|python_tag|>)
+
+vLLM's own parser classes do the work (``vllm.tool_parsers``, offline: they need a tokenizer,
+not a server); they return "no tool call" for text they cannot parse, so a turn that *looks*
+like a call (``hermes``: holds ``<tool_call>``; ``llama3_json``: starts with ``{`` or the python
+tag) but yields none is reported as malformed (invalid JSON, a missing name), never silently
+taken for an answer.
+
+Schemas: a task declares tools as ``{"type": "function", "function": {"name", "description",
+"parameters": <JSON schema>}}``; :func:`check_call` returns the error text an agent sees for an
+unknown tool or arguments that fail the schema (``jsonschema``), or None.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Sequence
+
+from ray_xlong.rollout.chat import ChatFormatError, Malformed, ToolCall
+
+PARSERS: dict[str, tuple[str, ...]] = {
+    "hermes": ("<tool_call>",),
+    "llama3_json": ("{", "<|python_tag|>"),
+}
+"""Supported vLLM tool parsers and the prefixes / markers that make a turn a call attempt."""
+
+
+def function_schema(name: str, description: str, properties: dict[str, dict], *,
+                    required: Sequence[str] | None = None) -> dict:
+    """An OpenAI function tool schema (all properties required unless ``required`` is given)."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties,
+                       "required": list(properties if required is None else required),
+                       "additionalProperties": False}}}
+
+
+def as_schema(tool: dict | str) -> dict:
+    """A tool schema; a bare name stands for a tool taking any object (``{"args": text}`` in
+    the token format)."""
+    if isinstance(tool, str):
+        return {"type": "function", "function": {"name": tool, "description": "",
+                                                  "parameters": {"type": "object"}}}
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict) \
+            or not isinstance(tool["function"].get("name"), str):
+        raise ValueError(f"TaskEnv.tools: not an OpenAI function schema: {tool!r}")
+    return tool
+
+
+def tool_names(tools: Sequence[dict]) -> tuple[str, ...]:
+    """Names of OpenAI function schemas."""
+    return tuple(t["function"]["name"] for t in tools)
+
+
+def check_call(call: ToolCall, tools: Sequence[dict]) -> str | None:
+    """The error text for a call of an unknown tool or with arguments failing its schema."""
+    import jsonschema
+
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    if call.name not in by_name:
+        return f"error: unknown tool {call.name!r}; tools: {', '.join(sorted(by_name))}"
+    schema = by_name[call.name].get("parameters") or {"type": "object"}
+    error = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(schema).iter_errors(call.arguments))
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "arguments"
+    return f"error: {call.name}: {where}: {error.message}"
+
+
+class ToolCallParser:
+    """A vLLM tool parser used offline on one finished turn's text."""
+
+    def __init__(self, name: str, tokenizer: Any) -> None:
+        if name not in PARSERS:
+            raise ChatFormatError(f"tool_parser must be one of {sorted(PARSERS)}, got {name!r}")
+        try:
+            from vllm.tool_parsers import ToolParserManager
+        except ImportError as exc:               # pragma: no cover - vllm is a dependency
+            raise ChatFormatError(f"tool_parser {name!r} needs vLLM's tool parsers "
+                                  f"(pip install vllm): {exc}") from exc
+        cls = ToolParserManager.get_tool_parser(name)
+        logging.getLogger(cls.__module__).setLevel(logging.CRITICAL)   # we report failures
+        try:
+            self._parser = cls(tokenizer)
+        except Exception as exc:  # noqa: BLE001 - e.g. a missing bot token
+            raise ChatFormatError(f"tool_parser {name!r} cannot use this tokenizer: {exc}") \
+                from exc
+        self.name = name
+
+    def parse(self, text: str) -> tuple[tuple[ToolCall, ...], str] | Malformed:
+        """``(calls, content)`` of a turn (no calls: an answer), or :class:`Malformed`."""
+        info = self._parser.extract_tool_calls(text, None)
+        if not info.tools_called:
+            stripped = text.lstrip()
+            if any(m in text if m.startswith("<") else stripped.startswith(m)
+                   for m in PARSERS[self.name]):
+                return Malformed(f"invalid tool call ({self.name}): not parseable JSON with a "
+                                 f"name and arguments")
+            return (), text
+        calls = []
+        for tc in info.tool_calls:
+            try:
+                args = json.loads(tc.function.arguments)
+            except (TypeError, ValueError):
+                return Malformed(f"invalid tool call arguments for {tc.function.name!r}")
+            calls.append(ToolCall(tc.function.name, args))
+        content = info.content
+        if content is None and self.name == "llama3_json":     # vLLM drops the text before
+            content = text[:text.find("{")].replace("<|python_tag|>", "")   # the JSON
+        return tuple(calls), (content or "")
