@@ -19,6 +19,9 @@ import time
 
 import numpy as np
 
+CELLS = 2
+"""Cells of the main job."""
+
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
         warm = WarmStartConfig(clean_steps=5, noisy_steps=2, min_accuracy=0.0)  # plumbing only
     run = run_training(mode=args.mode, steps=args.steps, seed=args.seed, engine=args.engine,
-                       workdir=args.workdir, groups=args.groups,
+                       workdir=args.workdir, cells=args.cells, groups=args.groups,
                        runs_per_group=args.runs_per_group, warm=warm, on_step=on_step)
     bar.close()
     plot_timelines({f"{run.mode} ({run.engine})": run.events}, str(out / "timeline.png"),
@@ -64,9 +67,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(run, *, total_s: float) -> dict:
     """What the job did, as JSON-ready numbers."""
+    from ray_xlong.sim.metrics import role_switches
+
     r = np.asarray(run.rewards)
     k = min(3, len(r))
+    switches = role_switches(run.events)
     return {"mode": run.mode, "engine": run.engine, "seed": run.seed, "steps": len(r),
+            "role_switches": sum(switches.values()),
+            "role_switches_per_cell": {str(c): n for c, n in switches.items()},
             "rewards": [round(float(x), 4) for x in r],
             "reward_first3": float(r[:k].mean()), "reward_last3": float(r[-k:].mean()),
             "tokens_trained": int(sum(x.tokens_trained for x in run.reports)),
@@ -79,6 +87,8 @@ def print_summary(s: dict, out: pathlib.Path) -> None:
     print(f"\n{s['mode']} on {s['engine']} engines, seed {s['seed']}: {s['steps']} steps, "
           f"reward {s['reward_first3']:.3f} (first 3) -> {s['reward_last3']:.3f} (last 3), "
           f"{s['tokens_trained']} tokens trained, busy {s['gpu_busy_frac']:.2f}")
+    per_cell = ", ".join(f"cell {c}: {n}" for c, n in s["role_switches_per_cell"].items())
+    print(f"role switches: {s['role_switches']} ({per_cell})")
     print(f"time: warm start {s['warm_start_s']:.0f} s, cells up {s['startup_s']:.0f} s, "
           f"training {s['train_s']:.0f} s, total {s['total_s']:.0f} s")
     print(f"wrote {out / 'timeline.png'}, {out / 'summary.json'}, {out / 'steps.md'}")
@@ -92,6 +102,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", default="vllm", choices=["hf", "vllm"])
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--cells", type=int, default=CELLS, help="elastic cells")
     p.add_argument("--groups", type=int, default=16, help="task instances per step")
     p.add_argument("--runs-per-group", type=int, default=8)
     p.add_argument("--workdir", default=".cache/ray_xlong", help="model cache")

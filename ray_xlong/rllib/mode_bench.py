@@ -28,8 +28,12 @@ from typing import Callable
 
 MODES = ("colocated", "async", "elastic")
 """The paper's three modes."""
-ALL_MODES = MODES + ("colocated+streaming", "async+streaming", "forecast")
-"""Every mode :func:`run_modes` can run (the streaming ablations too)."""
+ALL_MODES = MODES + ("colocated+streaming", "async+streaming", "forecast", "best_static")
+"""Every mode :func:`run_modes` can run (the streaming ablations too). ``best_static`` is async
+with the split the simulator finds best for the calibrated workload (hindsight over every
+split, :func:`best_static_rollout_cells`)."""
+PAPER8_MODES = ("colocated", "async", "elastic", "forecast", "best_static")
+"""The modes ``--size paper8`` runs."""
 
 SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, task steps,
     # median tool latency (task seconds; 3600 = one wall second)
@@ -39,13 +43,22 @@ SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, 
                   median_s=2160.0),
     "full": dict(cells=4, steps=6, batch=4, group=2, slots=3, async_rollout=3, task_steps=6,
                  median_s=2160.0),
+    # paper-2.4t compressed (one task hour = one wall second): 8 cells, a run's tool time is
+    # log-normal (median 5 h, sigma 0.8: 61% >= 4 h) over 4 steps, cut at 6 h; staleness bound
+    # 7; 8 runs a step on 4 slots a cell keep the paper's ~4.3 steps of runs in flight.
+    "paper8": dict(cells=8, steps=16, batch=4, group=2, slots=4, async_rollout=3, task_steps=4,
+                   median_s=4500.0, latency_sigma=0.0, run_sigma=0.8, timeout_x=1.2, bound=7,
+                   light=True),
 }
-"""Job sizes: ``smoke`` (CI, ~1 min), ``quick`` (a few minutes), ``full``."""
+"""Job sizes: ``smoke`` (CI, ~1 min), ``quick`` (a few minutes), ``full``, ``paper8`` (the
+paper's cluster shape and run-length distribution, compressed; light runners: no model)."""
 
 
 def build_config(size: dict, *, model_dir: str, seed: int):
     """The job of a size: ``task_steps`` tool calls of median ``median_s`` task seconds each,
-    heavy-tailed (sigma 1), a run capped at 2.5 × task_steps × the median (wall clock)."""
+    heavy-tailed (``latency_sigma``, default 1; ``run_sigma`` a per-run pace), a run capped at
+    ``timeout_x`` (default 2.5) × task_steps × the median (wall clock); staleness ``bound``
+    (default 1); ``light`` runners hold no model."""
     from ray_xlong.rllib.cells import CellLayout
     from ray_xlong.rllib.config import CellJobConfig
     from ray_xlong.rllib.learner import LearnerSettings
@@ -54,14 +67,16 @@ def build_config(size: dict, *, model_dir: str, seed: int):
     from ray_xlong.rollout.tasks import LongHorizonConfig
     from ray_xlong.scheduling import SchedulingConfig
 
-    timeout = 2.5 * size["task_steps"] * size["median_s"] / 3600
+    timeout = size.get("timeout_x", 2.5) * size["task_steps"] * size["median_s"] / 3600
     work = LongHorizonJob(task=LongHorizonConfig(
-        num_steps=size["task_steps"], latency_median_s=size["median_s"], latency_sigma=1.0,
-        time_scale=1 / 3600), seed=seed)
+        num_steps=size["task_steps"], latency_median_s=size["median_s"],
+        latency_sigma=size.get("latency_sigma", 1.0), run_sigma=size.get("run_sigma", 0.0),
+        time_scale=1 / 3600), seed=seed, model_logprobs=not size.get("light", False))
     return CellJobConfig(
         mode="colocated",
         job=SchedulingConfig(total_steps=size["steps"], batch_groups=size["batch"],
-                             runs_per_group=size["group"], staleness_bound=1),
+                             runs_per_group=size["group"],
+                             staleness_bound=size.get("bound", 1)),
         layout=CellLayout(cells=size["cells"], nodes_per_cell=1, gpus_per_node=1),
         learner=LearnerSettings(model_dir=model_dir, lr=1e-4), slots_per_cell=size["slots"],
         async_rollout_cells=size["async_rollout"], work=work,
@@ -123,6 +138,35 @@ def forecast_policy(config, cal: dict):
     return ForecastPolicy(train_groups_per_cell_h=per_s, horizon_h=config.harness.wall_clock_s)
 
 
+def best_static_rollout_cells(config, cal: dict) -> int:
+    """The async split (rollout cells) the simulator finds best for this job's calibrated
+    workload: hindsight over 1..cells-1, ties to fewer rollout cells."""
+    from ray_xlong.scheduling.asynchronous import AsyncPolicy
+    from ray_xlong.sim.simulator import simulate
+
+    workload, cluster, costs = sim_inputs(config, cal)
+    hours = {r: simulate(AsyncPolicy(rollout_cells=r), workload=workload, cluster=cluster,
+                         costs=costs, config=config.job).makespan_h
+             for r in range(1, config.layout.cells)}
+    return min(hours, key=lambda r: (hours[r], r))
+
+
+def mode_policy(mode: str, config, cal: dict):
+    """``(config of the real job, policy)`` of ``mode``: the same policy object drives Ray and
+    the simulator."""
+    from ray_xlong.rllib.config import make_policy
+    from ray_xlong.scheduling.asynchronous import AsyncPolicy
+
+    if mode == "forecast":
+        return dataclasses.replace(config, mode="elastic"), forecast_policy(config, cal)
+    if mode == "best_static":
+        r = best_static_rollout_cells(config, cal)
+        cfg = dataclasses.replace(config, mode="async", async_rollout_cells=r)
+        return cfg, AsyncPolicy(rollout_cells=r, name="best_static")
+    cfg = dataclasses.replace(config, mode=mode)
+    return cfg, make_policy(cfg)
+
+
 def run_modes(config, pool, modes, cal: dict, *,
               on_mode: Callable[[str], None] | None = None) -> tuple[dict, dict, float]:
     """Every mode on Ray and in the simulator.
@@ -131,8 +175,7 @@ def run_modes(config, pool, modes, cal: dict, *,
         ``(rows, logs, lower bound s)``: ``rows[mode]`` is a dict of measurements (see
         :func:`table`), ``logs[mode] = (ray events, simulator events)``.
     """
-    from ray_xlong.rllib.config import make_policy
-    from ray_xlong.rllib.driver import run_job
+    from ray_xlong.rllib.actuator import RayActuator
     from ray_xlong.rllib.metrics import check_invariants
     from ray_xlong.sim.metrics import lower_bound_h
     from ray_xlong.sim.simulator import simulate
@@ -143,19 +186,14 @@ def run_modes(config, pool, modes, cal: dict, *,
     for mode in modes:
         if on_mode is not None:
             on_mode(mode)
-        if mode == "forecast":
-            from ray_xlong.rllib.actuator import RayActuator
-
-            cfg = dataclasses.replace(config, mode="elastic")
-            real = RayActuator(cfg, forecast_policy(config, cal), pool).run()
-            policy = forecast_policy(config, cal)
-        else:
-            cfg = dataclasses.replace(config, mode=mode)
-            real = run_job(cfg, pool)
-            policy = make_policy(cfg)
+        cfg, policy = mode_policy(mode, config, cal)
+        real = RayActuator(cfg, policy, pool).run()
         sim = simulate(policy, workload=workload, cluster=cluster, costs=costs, config=cfg.job)
         rows[mode] = _row(real, sim, lb, check_invariants(
             real, staleness_bound=cfg.job.staleness_bound))
+        if mode == "best_static":
+            rows[mode]["split"] = {"rollout_cells": cfg.async_rollout_cells,
+                                   "training_cells": cfg.layout.cells - cfg.async_rollout_cells}
         logs[mode] = (real.events, sim.events)
     for row in rows.values():
         base = rows.get("colocated", row)["makespan_s"]

@@ -193,3 +193,16 @@ def _unit_cluster():
         "cluster": ClusterConfig(cells=2, nodes_per_cell=1, gpus_per_node=1, slots_per_cell=1),
         "costs": CostConfig(train_tokens_per_cell_h=1, step_fixed_h=0, to_train_h=0, sync_h=0),
     }
+
+
+def test_role_switches_count_entering_training_and_syncing_per_cell():
+    from ray_xlong.scheduling.events import Event
+    from ray_xlong.sim.metrics import role_switches
+
+    # cell 0: drain -> train -> sync -> rollout = 2 switches; cell 1 only ran runs; cell 2
+    # trained from a reserve (1 switch)
+    log = [Event(0.0, "run_started", cell=1, run=0, group=0),
+           Event(1.0, "role", cell=0, role="draining"), Event(2.0, "role", cell=0, role="training"),
+           Event(3.0, "role", cell=0, role="syncing"), Event(4.0, "role", cell=0, role="rollout"),
+           Event(0.0, "role", cell=2, role="training")]
+    assert role_switches(log) == {0: 2, 1: 0, 2: 1}
