@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"modes_ray ({size_name}, seed {args.seed}): {out['cells']} cells, job {out['job']}, "
           f"lower bound {out['lower_bound_s']:.2f} s, cells up in {out['cells_startup_s']:.1f} s")
     print(table(out["modes"]))
+    pre = {m: r["sim_precal_makespan_s"] for m, r in out["modes"].items()
+           if "sim_precal_makespan_s" in r}
+    if pre:
+        print("simulator with the pre-run calibration only: " + ", ".join(
+            f"{m} {s:.2f} s ({s / out['modes'][m]['makespan_s'] - 1:+.1%})" for m, s in pre.items()))
     if "best_static" in out["modes"]:
         split = out["modes"]["best_static"]["split"]
         print(f"best_static split: {split['rollout_cells']} rollout / "

@@ -1,12 +1,14 @@
 """Scheduler simulator benchmark: the paper's table, the streaming ablation and sweeps.
 
-    python benchmarks/scheduler_sim.py --preset paper-2.4t --seed 0 --json out.json \
+    python benchmarks/scheduler_sim.py --preset paper-2.4t[-drift|-shift] --seed 0 --json out.json \
         [--plot timeline.png] [--steps 2 --no-sweeps] [--compare-seeds 0 1 2 3 4]
 
 Prints markdown tables (every mode side by side on one sampled workload) and writes JSON shaped
 ``{"preset", "seed", "lower_bound_h", "paper_h", "modes": {mode: {"makespan_h", "gpu_idle_frac",
 ...}}, "sweeps": [...], "seed_comparison": [...], "sim_wall_s_max"}``. ``forecast`` is our own
-mode (``ray_xlong/scheduling/forecast.py``); ``--compare-seeds`` prints elastic vs forecast per
+mode (``ray_xlong/scheduling/forecast.py``); ``best_static`` is async with the split found best
+with hindsight on the same workload (its row has ``split: {rollout_cells, training_cells}``; every
+row has ``speedup_vs_best_static``); ``--compare-seeds`` prints elastic vs forecast per
 seed (and elastic with the newest-run drain choice alone, to separate the two ideas).
 """
 
@@ -195,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
         out["seed_comparison"] = compare_seeds(preset, args.compare_seeds)
         print(seed_table(out["seed_comparison"]) + "\n")
     if args.plot:
-        plot_timelines({m: logs[m] for m in ("colocated", "async", "elastic", "forecast")}, args.plot,
+        shown = ("colocated", "async", "elastic", "forecast", "best_static")
+        plot_timelines({m: logs[m] for m in shown}, args.plot,
                        title=f"{preset.name} seed {args.seed}: per-cell roles")
         print(f"timeline written to {args.plot}")
     if args.json:

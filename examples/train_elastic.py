@@ -5,8 +5,10 @@
 
 One command: starts an embedded local Ray, builds a tiny model + tokenizer and warm-starts it on
 the task's format (cached under --workdir), runs elastic training on 2 cells (each cell hosts a
-vLLM engine runner and an RLlib Learner and switches role on its own), shows a progress bar and
-a per-step table, then writes a timeline PNG of the cells' roles and prints a summary.
+vLLM engine runner and an RLlib Learner and switches role on its own: staleness bound 0 makes
+each cell move between rollout and training every step or two), shows a progress bar and a
+per-step table, then writes a timeline PNG of the cells' roles and prints a summary with the
+number of role switches per cell.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ import numpy as np
 
 CELLS = 2
 """Cells of the main job."""
+STALENESS_BOUND = 0
+"""Staleness bound of the main job: each step's runs start on the newest weights, so when a
+step ends nothing is left to train, the training cell goes back to rollout, and a cell drains
+as soon as the next step's first group ends: every cell changes role every step or two. (With
+bound 1 the rollout cell runs a step ahead, a group is always ready when a step ends, and one
+cell stays in rollout, the other in training, for the whole job: async in effect.)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = WarmStartConfig(clean_steps=5, noisy_steps=2, min_accuracy=0.0)  # plumbing only
     run = run_training(mode=args.mode, steps=args.steps, seed=args.seed, engine=args.engine,
                        workdir=args.workdir, cells=args.cells, groups=args.groups,
+                       staleness_bound=args.staleness_bound,
                        runs_per_group=args.runs_per_group, warm=warm, on_step=on_step)
     bar.close()
     plot_timelines({f"{run.mode} ({run.engine})": run.events}, str(out / "timeline.png"),
@@ -103,6 +112,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cells", type=int, default=CELLS, help="elastic cells")
+    p.add_argument("--staleness-bound", type=int, default=STALENESS_BOUND,
+                   help="max policy versions between a run's start and its training step")
     p.add_argument("--groups", type=int, default=16, help="task instances per step")
     p.add_argument("--runs-per-group", type=int, default=8)
     p.add_argument("--workdir", default=".cache/ray_xlong", help="model cache")
