@@ -7,7 +7,8 @@
 distribution compressed from hours to seconds (median 5 s, 61% of runs >= 4 s, cut at 6 s),
 16 steps, light runners (no model: the oracle's tokens are not scored); modes colocated, async,
 elastic, forecast and best_static (async with the split the simulator finds best for the
-calibrated workload).
+calibrated workload); the calibration also measures how many of the 8 logical GPUs train at
+full speed at once on this machine's shared cores (``parallel_training_cells``).
 
 One Ray instance (embedded with logical GPUs, or ``--address`` of a cluster); placement groups
 created once; every mode runs the same seeded long-horizon job (time-compressed: one task hour
@@ -54,11 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"modes_ray ({size_name}, seed {args.seed}): {out['cells']} cells, job {out['job']}, "
           f"lower bound {out['lower_bound_s']:.2f} s, cells up in {out['cells_startup_s']:.1f} s")
     print(table(out["modes"]))
-    pre = {m: r["sim_precal_makespan_s"] for m, r in out["modes"].items()
-           if "sim_precal_makespan_s" in r}
-    if pre:
-        print("simulator with the pre-run calibration only: " + ", ".join(
-            f"{m} {s:.2f} s ({s / out['modes'][m]['makespan_s'] - 1:+.1%})" for m, s in pre.items()))
+    print("calibration: " + ", ".join(f"{k} {v:.4g}" for k, v in out["calibration"].items()))
     if "best_static" in out["modes"]:
         split = out["modes"]["best_static"]["split"]
         print(f"best_static split: {split['rollout_cells']} rollout / "

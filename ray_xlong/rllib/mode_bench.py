@@ -46,11 +46,11 @@ SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, 
     # paper-2.4t compressed (one task hour = one wall second): 8 cells, a run's tool time is
     # log-normal (median 5 h, sigma 0.8: 61% >= 4 h) over 16 steps, cut at 6 h; staleness bound
     # 7; 8 runs a step on 4 slots a cell keep the paper's ~4.3 steps of runs in flight; a
-    # 4-step calibration (medians) picks best_static; the prediction uses the costs pooled over
-    # every mode's run; one micro-batch per run, so a step's training spreads over the cells.
+    # 4-step calibration (medians) and a step trained on every cell at once (how many logical
+    # GPUs train at full speed on the shared cores); one micro-batch per run.
     "paper8": dict(cells=8, steps=16, batch=4, group=2, slots=4, async_rollout=3, task_steps=16,
                    median_s=1125.0, latency_sigma=0.0, run_sigma=0.8, timeout_x=1.2, bound=7,
-                   light=True, cal_steps=4, pooled=True, micro_batch_tokens=1),
+                   light=True, cal_steps=4, micro_batch_tokens=1),
 }
 """Job sizes: ``smoke`` (CI, ~1 min), ``quick`` (a few minutes), ``full``, ``paper8`` (the
 paper's cluster shape and run-length distribution, compressed; light runners: no model)."""
@@ -108,7 +108,9 @@ def calibrate(config, pool, *, steps: int = 1) -> dict:
     t = result.timings
     call_s = max(0.0, statistics.fmean(per_call)) if per_call else 0.0
     if steps > 1:
-        return {"call_s": call_s, **_robust_costs(t, runs=job.total_runs)}
+        costs = _robust_costs(t, runs=job.total_runs)
+        return {"call_s": call_s, **costs,
+                "parallel_training_cells": parallel_cells(config, pool, costs)}
     return {
         "call_s": call_s,
         "train_tokens_per_s": sum(t["micro_batch_targets"]) / sum(t["micro_batch_s"]),
@@ -117,6 +119,23 @@ def calibrate(config, pool, *, steps: int = 1) -> dict:
         "sync_s": statistics.fmean(t["sync_s"]) if t.get("sync_s") else 0.0,
         "step_finish_s": statistics.fmean(t["step_finish_s"]),
     }
+
+
+def parallel_cells(config, pool, costs: dict) -> float:
+    """How many cells train at full speed at once: one colocated step whose runs give every
+    cell a micro-batch, its per-micro-batch token rate against ``costs``' (a step of one group,
+    one or two micro-batches at once): ``cells × rate_all / rate_one``, in [1, cells]. Logical
+    GPUs on a few shared CPU cores do not add training throughput; real GPUs would give cells."""
+    from ray_xlong.rllib.driver import run_job
+    from ray_xlong.scheduling import SchedulingConfig
+
+    g, cells = config.job.runs_per_group, config.layout.cells
+    job = SchedulingConfig(2, max(1, cells // g), g, 0)
+    work = dataclasses.replace(config.work, seed=config.work.seed + 20_000)
+    t = run_job(dataclasses.replace(config, job=job, work=work, mode="colocated"), pool).timings
+    rates = [n / s for n, s in zip(t["micro_batch_targets"], t["micro_batch_s"]) if s > 0]
+    ratio = statistics.median(rates) / costs["train_tokens_per_s"]
+    return min(float(cells), max(1.0, cells * ratio))
 
 
 def _robust_costs(t: dict, *, runs: int) -> dict:
@@ -146,7 +165,8 @@ def sim_inputs(config, cal: dict):
                             gpus_per_node=lay.gpus_per_node, slots_per_cell=config.slots_per_cell)
     costs = CostConfig(train_tokens_per_cell_h=cal["train_tokens_per_s"],
                        step_fixed_h=cal["step_finish_s"], to_train_h=cal["switch_s"],
-                       sync_h=cal["sync_s"])
+                       sync_h=cal["sync_s"],
+                       parallel_training_cells=cal.get("parallel_training_cells", float("inf")))
     return workload, cluster, costs
 
 
@@ -188,16 +208,9 @@ def mode_policy(mode: str, config, cal: dict):
     return cfg, make_policy(cfg)
 
 
-def run_modes(config, pool, modes, cal: dict, *, pooled: bool = False,
+def run_modes(config, pool, modes, cal: dict, *,
               on_mode: Callable[[str], None] | None = None) -> tuple[dict, dict, float]:
     """Every mode on Ray and in the simulator.
-
-    Args:
-        pooled: predict with :func:`pooled_costs` (the per-operation costs measured over every
-            mode's run, ``call_s`` from ``cal``) instead of ``cal``'s; the row keeps the
-            prediction from ``cal`` as ``sim_precal_makespan_s``. Other users' load on a
-            shared machine drifts over minutes; pooling measures the costs over the same
-            minutes as the makespans they predict.
 
     Returns:
         ``(rows, logs, lower bound s)``: ``rows[mode]`` is a dict of measurements (see
@@ -212,16 +225,12 @@ def run_modes(config, pool, modes, cal: dict, *, pooled: bool = False,
             on_mode(mode)
         cfg, policy = mode_policy(mode, config, cal)
         reals[mode] = (cfg, policy, RayActuator(cfg, policy, pool).run())
-    used = pooled_costs([r for _, _, r in reals.values()], call_s=cal["call_s"]) if pooled else cal
-    lb = _lower_bound(config, used)
+    lb = _lower_bound(config, cal)
     rows, logs = {}, {}
     for mode, (cfg, policy, real) in reals.items():
-        sim = _simulate(policy, cfg, used)
+        sim = _simulate(policy, cfg, cal)
         rows[mode] = _row(real, sim, lb, check_invariants(
             real, staleness_bound=cfg.job.staleness_bound))
-        if pooled:
-            rows[mode]["sim_precal_makespan_s"] = _simulate(policy, cfg, cal).makespan_h
-            rows[mode]["sim_costs"] = used
         if mode == "best_static":
             rows[mode]["split"] = {"rollout_cells": cfg.async_rollout_cells,
                                    "training_cells": cfg.layout.cells - cfg.async_rollout_cells}
@@ -232,25 +241,6 @@ def run_modes(config, pool, modes, cal: dict, *, pooled: bool = False,
         row["vs_elastic"] = row["makespan_s"] / rows.get("elastic", row)["makespan_s"]
         row["sim_vs_elastic"] = row["sim_makespan_s"] / rows.get("elastic", row)["sim_makespan_s"]
     return rows, logs, lb
-
-
-def pooled_costs(results, *, call_s: float) -> dict:
-    """The cost model measured over several real jobs on the same cells: training tokens / s
-    over every micro-batch, medians of switches, syncs and step finishes."""
-    t: dict[str, list] = {}
-    for r in results:
-        for key, values in r.timings.items():
-            t.setdefault(key, []).extend(values)
-    trained = sum(t["micro_batch_targets"])
-    return {
-        "call_s": call_s,
-        "train_tokens_per_s": trained / sum(t["micro_batch_s"]),
-        "tokens_per_run": trained / sum(
-            1 for r in results for e in r.events if e.kind == "run_ended"),
-        "switch_s": statistics.median(t["switch_s"]) if t.get("switch_s") else 0.0,
-        "sync_s": statistics.median(t["sync_s"]) if t.get("sync_s") else 0.0,
-        "step_finish_s": statistics.median(t["step_finish_s"]),
-    }
 
 
 def _simulate(policy, cfg, cal: dict):
@@ -359,8 +349,7 @@ def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = N
         pool = start_cells(config)
         try:
             cal = calibrate(config, pool, steps=s.get("cal_steps", 1))
-            rows, logs, lb = run_modes(config, pool, modes, cal, on_mode=on_mode,
-                                       pooled=s.get("pooled", False))
+            rows, logs, lb = run_modes(config, pool, modes, cal, on_mode=on_mode)
         finally:
             pool.shutdown()
     finally:

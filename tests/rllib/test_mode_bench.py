@@ -43,27 +43,3 @@ def test_best_static_is_the_best_async_split_in_the_simulator():
     cfg, policy = mode_policy("best_static", config, CAL)
     assert cfg.mode == "async" and cfg.async_rollout_cells == best == policy.rollout_cells
     assert policy.name == "best_static"
-
-
-def _result(timings: dict, runs_ended: int):
-    from ray_xlong.rllib.metrics import RayResult
-    from ray_xlong.scheduling.events import Event
-
-    events = tuple(Event(float(i), "run_ended", cell=0, run=i, group=i) for i in range(runs_ended))
-    return RayResult(mode="m", makespan_s=1.0, cells=1, slots_per_cell=1, staleness=(0,),
-                     token_staleness_max=0, trained_step=(0,), trained_runs=(), events=events,
-                     timings=timings, placement_groups_created=1)
-
-
-def test_pooled_costs_sum_tokens_over_seconds_and_take_medians_over_every_job():
-    from ray_xlong.rllib.mode_bench import pooled_costs
-
-    a = _result({"micro_batch_targets": (100, 300), "micro_batch_s": (1.0, 1.0),
-                 "switch_s": (0.1,), "sync_s": (), "step_finish_s": (0.2, 0.9)}, runs_ended=2)
-    b = _result({"micro_batch_targets": (200,), "micro_batch_s": (2.0,),
-                 "switch_s": (0.3, 0.5), "sync_s": (0.4,), "step_finish_s": (0.3,)}, runs_ended=4)
-    costs = pooled_costs([a, b], call_s=0.01)
-    # 600 tokens in 4 s; 600 tokens over 6 ended runs; medians of (0.1, 0.3, 0.5), (0.4,),
-    # (0.2, 0.9, 0.3)
-    assert costs == {"call_s": 0.01, "train_tokens_per_s": 150.0, "tokens_per_run": 100.0,
-                     "switch_s": 0.3, "sync_s": 0.4, "step_finish_s": 0.3}
