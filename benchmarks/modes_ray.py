@@ -1,7 +1,14 @@
 """The three modes on real Ray cells, side by side with the simulator on the same workload.
 
-    python benchmarks/modes_ray.py --seed 0 [--quick | --smoke] [--json out.json] \
-        [--plot-dir plots/] [--address auto]
+    python benchmarks/modes_ray.py --seed 0 [--quick | --smoke | --size paper8] \
+        [--json out.json] [--plot-dir plots/] [--address auto]
+
+``--size paper8``: 8 cells on one machine (logical GPUs), the paper-2.4t run-length
+distribution compressed from hours to seconds (median 5 s, 61% of runs >= 4 s, cut at 6 s),
+16 steps, light runners (no model: the oracle's tokens are not scored); modes colocated, async,
+elastic, forecast and best_static (async with the split the simulator finds best for the
+calibrated workload); the calibration also measures how many of the 8 logical GPUs train at
+full speed at once on this machine's shared cores (``parallel_training_cells``).
 
 One Ray instance (embedded with logical GPUs, or ``--address`` of a cluster); placement groups
 created once; every mode runs the same seeded long-horizon job (time-compressed: one task hour
@@ -20,9 +27,9 @@ import argparse
 import json
 import pathlib
 
-from ray_xlong.rllib.mode_bench import MODES, SIZES, run_comparison, table
+from ray_xlong.rllib.mode_bench import MODES, PAPER8_MODES, SIZES, run_comparison, table
 
-__all__ = ["MODES", "SIZES", "main"]
+__all__ = ["MODES", "PAPER8_MODES", "SIZES", "main"]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -30,20 +37,29 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="reduced workload (about a minute)")
     p.add_argument("--smoke", action="store_true", help="tiny budget (CI)")
-    p.add_argument("--modes", nargs="+", default=list(MODES))
+    p.add_argument("--size", choices=sorted(SIZES), default=None,
+                   help="job size (overrides --quick / --smoke); paper8 = the paper's shape")
+    p.add_argument("--modes", nargs="+", default=None,
+                   help=f"default {' '.join(MODES)} ({' '.join(PAPER8_MODES)} for paper8)")
     p.add_argument("--address", default=None, help="Ray cluster to join (e.g. auto)")
     p.add_argument("--json", type=pathlib.Path)
     p.add_argument("--plot-dir", type=pathlib.Path)
     args = p.parse_args(argv)
-    size_name = "smoke" if args.smoke else "quick" if args.quick else "full"
+    size_name = args.size or ("smoke" if args.smoke else "quick" if args.quick else "full")
+    modes = args.modes or list(PAPER8_MODES if size_name == "paper8" else MODES)
 
     from ray_xlong.sim.timeline import plot_timelines
 
-    run = run_comparison(size=size_name, seed=args.seed, modes=args.modes, address=args.address)
+    run = run_comparison(size=size_name, seed=args.seed, modes=modes, address=args.address)
     out = run.summary
     print(f"modes_ray ({size_name}, seed {args.seed}): {out['cells']} cells, job {out['job']}, "
           f"lower bound {out['lower_bound_s']:.2f} s, cells up in {out['cells_startup_s']:.1f} s")
     print(table(out["modes"]))
+    print("calibration: " + ", ".join(f"{k} {v:.4g}" for k, v in out["calibration"].items()))
+    if "best_static" in out["modes"]:
+        split = out["modes"]["best_static"]["split"]
+        print(f"best_static split: {split['rollout_cells']} rollout / "
+              f"{split['training_cells']} training cells")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     if args.plot_dir:

@@ -1,12 +1,14 @@
 """Scheduler simulator benchmark: the paper's table, the streaming ablation and sweeps.
 
-    python benchmarks/scheduler_sim.py --preset paper-2.4t --seed 0 --json out.json \
+    python benchmarks/scheduler_sim.py --preset paper-2.4t[-drift|-shift] --seed 0 --json out.json \
         [--plot timeline.png] [--steps 2 --no-sweeps] [--compare-seeds 0 1 2 3 4]
 
 Prints markdown tables (every mode side by side on one sampled workload) and writes JSON shaped
 ``{"preset", "seed", "lower_bound_h", "paper_h", "modes": {mode: {"makespan_h", "gpu_idle_frac",
 ...}}, "sweeps": [...], "seed_comparison": [...], "sim_wall_s_max"}``. ``forecast`` is our own
-mode (``ray_xlong/scheduling/forecast.py``); ``--compare-seeds`` prints elastic vs forecast per
+mode (``ray_xlong/scheduling/forecast.py``); ``best_static`` is async with the split found best
+with hindsight on the same workload (its row has ``split: {rollout_cells, training_cells}``; every
+row has ``speedup_vs_best_static``); ``--compare-seeds`` prints elastic vs forecast per
 seed (and elastic with the newest-run drain choice alone, to separate the two ideas).
 """
 
@@ -23,7 +25,8 @@ from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
 from ray_xlong.sim.metrics import lower_bound_h, summarize
 from ray_xlong.sim.modes import (
-    forecast_policy, make_policies, preset_workload, simulate_preset, with_steps,
+    best_static_split, forecast_policy, make_policies, preset_workload, simulate_preset,
+    with_steps,
 )
 from ray_xlong.sim.presets import PAPER_HOURS, SIGMA, Z_61, Preset, get_preset
 from ray_xlong.sim.timeline import plot_timelines
@@ -37,28 +40,43 @@ def run_modes(preset: Preset, *, seed: int) -> tuple[float, dict, dict]:
     for name, policy in make_policies(preset).items():
         t0 = time.perf_counter()
         result = simulate_preset(preset, policy, seed=seed, workload=workload)
-        s = summarize(result)
-        rows[name] = {
-            "makespan_h": s.makespan_h, "gpu_idle_frac": s.gpu_idle_frac,
-            "staleness_mean": s.staleness_mean, "staleness_max": s.staleness_max,
-            "over_lower_bound": s.makespan_h / lb, "runs": s.runs, "steps": s.steps,
-            "sim_wall_s": time.perf_counter() - t0,
-        }
+        rows[name] = _row(result, lb, time.perf_counter() - t0)
         logs[name] = result.events
+    t0 = time.perf_counter()
+    split, result = best_static_split(preset, workload=workload)
+    splits = preset.cluster.cells - 1  # one simulation per split: report the mean
+    rows["best_static"] = _row(result, lb, (time.perf_counter() - t0) / splits)
+    rows["best_static"]["split"] = {"rollout_cells": split,
+                                    "training_cells": preset.cluster.cells - split}
+    logs["best_static"] = result.events
     for row in rows.values():
         row["speedup_vs_colocated"] = rows["colocated"]["makespan_h"] / row["makespan_h"]
         row["speedup_vs_async"] = rows["async"]["makespan_h"] / row["makespan_h"]
+        row["speedup_vs_best_static"] = rows["best_static"]["makespan_h"] / row["makespan_h"]
     return lb, rows, logs
+
+
+def _row(result, lb: float, wall_s: float) -> dict:
+    s = summarize(result)
+    return {
+        "makespan_h": s.makespan_h, "gpu_idle_frac": s.gpu_idle_frac,
+        "staleness_mean": s.staleness_mean, "staleness_max": s.staleness_max,
+        "over_lower_bound": s.makespan_h / lb, "runs": s.runs, "steps": s.steps,
+        "sim_wall_s": wall_s,
+    }
 
 
 def table(rows: dict, *, paper: bool) -> str:
     """Markdown table of mode rows."""
-    head = "| mode | makespan h | × vs colocated | × vs async | ÷ lower bound | GPU idle % | staleness mean / max |"
+    head = ("| mode | makespan h | × vs colocated | × vs async | × vs best_static | ÷ lower bound | "
+            "GPU idle % | staleness mean / max |")
     head += " paper h |" if paper else ""
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, r in rows.items():
-        line = (f"| {name} | {r['makespan_h']:.2f} | {r['speedup_vs_colocated']:.2f} | "
-                f"{r['speedup_vs_async']:.2f} | {r['over_lower_bound']:.3f} | "
+        split = f" ({r['split']['rollout_cells']}/{r['split']['training_cells']})" if "split" in r else ""
+        line = (f"| {name}{split} | {r['makespan_h']:.2f} | {r['speedup_vs_colocated']:.2f} | "
+                f"{r['speedup_vs_async']:.2f} | {r['speedup_vs_best_static']:.3f} | "
+                f"{r['over_lower_bound']:.3f} | "
                 f"{100 * r['gpu_idle_frac']:.1f} | {r['staleness_mean']:.2f} / {r['staleness_max']} |")
         if paper:
             line += f" {PAPER_HOURS.get(name, float('nan')):.2f} |".replace("nan", "–")
@@ -167,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     lb, rows, logs = run_modes(preset, seed=args.seed)
     print(f"## {preset.name}, seed {args.seed}: {preset.job.total_steps} steps, "
           f"{preset.job.total_runs} runs, lower bound {lb:.2f} h\n")
-    print(table(rows, paper=args.steps is None) + "\n")
+    print(table(rows, paper=args.steps is None and preset.name == "paper-2.4t") + "\n")
     out = {"preset": preset.name, "seed": args.seed, "steps": preset.job.total_steps,
            "lower_bound_h": lb, "paper_h": PAPER_HOURS, "modes": rows,
            "sim_wall_s_max": max(r["sim_wall_s"] for r in rows.values())}
@@ -179,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
         out["seed_comparison"] = compare_seeds(preset, args.compare_seeds)
         print(seed_table(out["seed_comparison"]) + "\n")
     if args.plot:
-        plot_timelines({m: logs[m] for m in ("colocated", "async", "elastic", "forecast")}, args.plot,
+        shown = ("colocated", "async", "elastic", "forecast", "best_static")
+        plot_timelines({m: logs[m] for m in shown}, args.plot,
                        title=f"{preset.name} seed {args.seed}: per-cell roles")
         print(f"timeline written to {args.plot}")
     if args.json:

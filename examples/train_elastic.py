@@ -6,8 +6,10 @@
 One command: starts an embedded local Ray, builds a tiny model + tokenizer (a ChatML chat
 template, Hermes ``<tool_call>`` JSON tool calls: the template path a user's own model takes)
 and warm-starts it on the task's format (cached under --workdir), runs elastic training on 2
-cells (each cell hosts a vLLM engine runner and an RLlib Learner and switches role on its
-own), shows a progress bar and a per-step table, then writes a timeline PNG of the cells' roles and prints a summary.
+cells (each cell hosts a vLLM engine runner and an RLlib Learner and switches role on its own:
+staleness bound 0 makes each cell move between rollout and training every step or two), shows a
+progress bar and a per-step table, then writes a timeline PNG of the cells' roles and prints a
+summary with the number of role switches per cell.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ import sys
 import time
 
 import numpy as np
+
+CELLS = 2
+"""Cells of the main job."""
+STALENESS_BOUND = 0
+"""Staleness bound of the main job: each step's runs start on the newest weights, so when a
+step ends nothing is left to train, the training cell goes back to rollout, and a cell drains
+as soon as the next step's first group ends: every cell changes role every step or two. (With
+bound 1 the rollout cell runs a step ahead, a group is always ready when a step ends, and one
+cell stays in rollout, the other in training, for the whole job: async in effect.)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
         warm = WarmStartConfig(clean_steps=5, noisy_steps=2, min_accuracy=0.0)  # plumbing only
     run = run_training(mode=args.mode, steps=args.steps, seed=args.seed, engine=args.engine,
-                       workdir=args.workdir, groups=args.groups,
+                       workdir=args.workdir, cells=args.cells, groups=args.groups,
+                       staleness_bound=args.staleness_bound,
                        runs_per_group=args.runs_per_group, warm=warm, chat=args.chat,
                        on_step=on_step)
     bar.close()
@@ -66,9 +78,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(run, *, total_s: float) -> dict:
     """What the job did, as JSON-ready numbers."""
+    from ray_xlong.sim.metrics import role_switches
+
     r = np.asarray(run.rewards)
     k = min(3, len(r))
+    switches = role_switches(run.events)
     return {"mode": run.mode, "engine": run.engine, "seed": run.seed, "steps": len(r),
+            "role_switches": sum(switches.values()),
+            "role_switches_per_cell": {str(c): n for c, n in switches.items()},
             "rewards": [round(float(x), 4) for x in r],
             "reward_first3": float(r[:k].mean()), "reward_last3": float(r[-k:].mean()),
             "tokens_trained": int(sum(x.tokens_trained for x in run.reports)),
@@ -81,6 +98,8 @@ def print_summary(s: dict, out: pathlib.Path) -> None:
     print(f"\n{s['mode']} on {s['engine']} engines, seed {s['seed']}: {s['steps']} steps, "
           f"reward {s['reward_first3']:.3f} (first 3) -> {s['reward_last3']:.3f} (last 3), "
           f"{s['tokens_trained']} tokens trained, busy {s['gpu_busy_frac']:.2f}")
+    per_cell = ", ".join(f"cell {c}: {n}" for c, n in s["role_switches_per_cell"].items())
+    print(f"role switches: {s['role_switches']} ({per_cell})")
     print(f"time: warm start {s['warm_start_s']:.0f} s, cells up {s['startup_s']:.0f} s, "
           f"training {s['train_s']:.0f} s, total {s['total_s']:.0f} s")
     print(f"wrote {out / 'timeline.png'}, {out / 'summary.json'}, {out / 'steps.md'}")
@@ -94,6 +113,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", default="vllm", choices=["hf", "vllm"])
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--cells", type=int, default=CELLS, help="elastic cells")
+    p.add_argument("--staleness-bound", type=int, default=STALENESS_BOUND,
+                   help="max policy versions between a run's start and its training step")
     p.add_argument("--groups", type=int, default=16, help="task instances per step")
     p.add_argument("--runs-per-group", type=int, default=8)
     p.add_argument("--chat", default="chatml_tiny",

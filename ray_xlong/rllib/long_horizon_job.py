@@ -34,6 +34,9 @@ class LongHorizonJob:
     """Workload seed."""
     delegate_every: int = 3
     """The oracle delegates every n-th step to a subagent."""
+    model_logprobs: bool = True
+    """Score the oracle's tokens with the cell's model; False keeps runners light (no model in
+    the runner: behaviour logprobs are -1, fine for scheduling benchmarks, not for learning)."""
 
     def spec(self, run: int, *, runs_per_group: int) -> RunSpec:
         """What scheduler run id ``run`` starts."""
@@ -47,19 +50,26 @@ class LongHorizonJob:
     def engine_factory(self, model_dir: str):
         """A picklable factory of the oracle :class:`ScriptedEngine` with model logprobs."""
         return functools.partial(oracle_engine, model_dir, self.task.num_steps,
-                                 self.delegate_every)
+                                 self.delegate_every, self.model_logprobs)
 
 
-def oracle_engine(model_dir: str, num_steps: int, delegate_every: int):
-    """The scripted oracle engine (logprobs from the model in ``model_dir``)."""
+def oracle_engine(model_dir: str, num_steps: int, delegate_every: int,
+                  model_logprobs: bool = True):
+    """The scripted oracle engine (logprobs from the model in ``model_dir``, or none)."""
+    import json
+    import pathlib
+
     from ray_xlong.models import load_model
     from ray_xlong.rollout import ScriptedEngine, load_chat_format
     from ray_xlong.rollout.tasks.long_horizon import oracle_policy
 
     chat = load_chat_format(model_dir)
+    policy = oracle_policy(chat, num_steps=num_steps, delegate_every=delegate_every)
+    if not model_logprobs:
+        vocab = json.loads((pathlib.Path(model_dir) / "config.json").read_text())["vocab_size"]
+        return ScriptedEngine(policy, vocab_size=vocab)
     model = load_model(model_dir)
-    return ScriptedEngine(oracle_policy(chat, num_steps=num_steps, delegate_every=delegate_every),
-                          vocab_size=model.config.vocab_size, model=model)
+    return ScriptedEngine(policy, vocab_size=model.config.vocab_size, model=model)
 
 
 def tool_seconds(job: LongHorizonJob, run: int) -> float:

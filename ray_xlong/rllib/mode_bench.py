@@ -28,8 +28,12 @@ from typing import Callable
 
 MODES = ("colocated", "async", "elastic")
 """The paper's three modes."""
-ALL_MODES = MODES + ("colocated+streaming", "async+streaming", "forecast")
-"""Every mode :func:`run_modes` can run (the streaming ablations too)."""
+ALL_MODES = MODES + ("colocated+streaming", "async+streaming", "forecast", "best_static")
+"""Every mode :func:`run_modes` can run (the streaming ablations too). ``best_static`` is async
+with the split the simulator finds best for the calibrated workload (hindsight over every
+split, :func:`best_static_rollout_cells`)."""
+PAPER8_MODES = ("colocated", "async", "elastic", "forecast", "best_static")
+"""The modes ``--size paper8`` runs."""
 
 SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, task steps,
     # median tool latency (task seconds; 3600 = one wall second)
@@ -39,13 +43,24 @@ SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, 
                   median_s=2160.0),
     "full": dict(cells=4, steps=6, batch=4, group=2, slots=3, async_rollout=3, task_steps=6,
                  median_s=2160.0),
+    # paper-2.4t compressed (one task hour = one wall second): 8 cells, a run's tool time is
+    # log-normal (median 5 h, sigma 0.8: 61% >= 4 h) over 16 steps, cut at 6 h; staleness bound
+    # 7; 8 runs a step on 4 slots a cell keep the paper's ~4.3 steps of runs in flight; a
+    # 4-step calibration (medians) and a step trained on every cell at once (how many logical
+    # GPUs train at full speed on the shared cores); one micro-batch per run.
+    "paper8": dict(cells=8, steps=16, batch=4, group=2, slots=4, async_rollout=3, task_steps=16,
+                   median_s=1125.0, latency_sigma=0.0, run_sigma=0.8, timeout_x=1.2, bound=7,
+                   light=True, cal_steps=4, micro_batch_tokens=1),
 }
-"""Job sizes: ``smoke`` (CI, ~1 min), ``quick`` (a few minutes), ``full``."""
+"""Job sizes: ``smoke`` (CI, ~1 min), ``quick`` (a few minutes), ``full``, ``paper8`` (the
+paper's cluster shape and run-length distribution, compressed; light runners: no model)."""
 
 
 def build_config(size: dict, *, model_dir: str, seed: int):
     """The job of a size: ``task_steps`` tool calls of median ``median_s`` task seconds each,
-    heavy-tailed (sigma 1), a run capped at 2.5 × task_steps × the median (wall clock)."""
+    heavy-tailed (``latency_sigma``, default 1; ``run_sigma`` a per-run pace), a run capped at
+    ``timeout_x`` (default 2.5) × task_steps × the median (wall clock); staleness ``bound``
+    (default 1); ``light`` runners hold no model."""
     from ray_xlong.rllib.cells import CellLayout
     from ray_xlong.rllib.config import CellJobConfig
     from ray_xlong.rllib.learner import LearnerSettings
@@ -54,27 +69,33 @@ def build_config(size: dict, *, model_dir: str, seed: int):
     from ray_xlong.rollout.tasks import LongHorizonConfig
     from ray_xlong.scheduling import SchedulingConfig
 
-    timeout = 2.5 * size["task_steps"] * size["median_s"] / 3600
+    timeout = size.get("timeout_x", 2.5) * size["task_steps"] * size["median_s"] / 3600
     work = LongHorizonJob(task=LongHorizonConfig(
-        num_steps=size["task_steps"], latency_median_s=size["median_s"], latency_sigma=1.0,
-        time_scale=1 / 3600), seed=seed)
+        num_steps=size["task_steps"], latency_median_s=size["median_s"],
+        latency_sigma=size.get("latency_sigma", 1.0), run_sigma=size.get("run_sigma", 0.0),
+        time_scale=1 / 3600), seed=seed, model_logprobs=not size.get("light", False))
     return CellJobConfig(
         mode="colocated",
         job=SchedulingConfig(total_steps=size["steps"], batch_groups=size["batch"],
-                             runs_per_group=size["group"], staleness_bound=1),
+                             runs_per_group=size["group"],
+                             staleness_bound=size.get("bound", 1)),
         layout=CellLayout(cells=size["cells"], nodes_per_cell=1, gpus_per_node=1),
-        learner=LearnerSettings(model_dir=model_dir, lr=1e-4), slots_per_cell=size["slots"],
+        learner=LearnerSettings(model_dir=model_dir, lr=1e-4,
+                                micro_batch_tokens=size.get("micro_batch_tokens", 4096)),
+        slots_per_cell=size["slots"],
         async_rollout_cells=size["async_rollout"], work=work,
         harness=HarnessConfig(max_new_tokens=32, wall_clock_s=timeout, tool_timeout_s=timeout))
 
 
-def calibrate(config, pool) -> dict:
-    """A one-step colocated job on a different seed: the simulator's cost model, measured."""
+def calibrate(config, pool, *, steps: int = 1) -> dict:
+    """A colocated job of ``steps`` one-group steps on a different seed: the simulator's cost
+    model, measured. With ``steps`` > 1 the costs are medians (a learner's first step pays a
+    warm-up, ~1 s here, that the job's later steps do not) and a sync back is measured."""
     from ray_xlong.rllib.driver import run_job
     from ray_xlong.rllib.long_horizon_job import predicted_durations
     from ray_xlong.scheduling import SchedulingConfig
 
-    job = SchedulingConfig(1, 1, config.job.runs_per_group, 0)
+    job = SchedulingConfig(steps, 1, config.job.runs_per_group, 0)
     work = dataclasses.replace(config.work, seed=config.work.seed + 10_000)
     cal = dataclasses.replace(config, job=job, work=work, mode="colocated")
     result = run_job(cal, pool)
@@ -85,13 +106,47 @@ def calibrate(config, pool) -> dict:
     whole = [r for r in took if tool[r] < config.harness.wall_clock_s]  # not timed out
     per_call = [(took[r] - tool[r]) / calls for r in whole]
     t = result.timings
+    call_s = max(0.0, statistics.fmean(per_call)) if per_call else 0.0
+    if steps > 1:
+        costs = _robust_costs(t, runs=job.total_runs)
+        return {"call_s": call_s, **costs,
+                "parallel_training_cells": parallel_cells(config, pool, costs)}
     return {
-        "call_s": max(0.0, statistics.fmean(per_call)) if per_call else 0.0,
+        "call_s": call_s,
         "train_tokens_per_s": sum(t["micro_batch_targets"]) / sum(t["micro_batch_s"]),
         "tokens_per_run": sum(t["micro_batch_targets"]) / job.total_runs,
         "switch_s": statistics.fmean(t["switch_s"]),
         "sync_s": statistics.fmean(t["sync_s"]) if t.get("sync_s") else 0.0,
         "step_finish_s": statistics.fmean(t["step_finish_s"]),
+    }
+
+
+def parallel_cells(config, pool, costs: dict) -> float:
+    """How many cells train at full speed at once: one colocated step whose runs give every
+    cell a micro-batch, its per-micro-batch token rate against ``costs``' (a step of one group,
+    one or two micro-batches at once): ``cells × rate_all / rate_one``, in [1, cells]. Logical
+    GPUs on a few shared CPU cores do not add training throughput; real GPUs would give cells."""
+    from ray_xlong.rllib.driver import run_job
+    from ray_xlong.scheduling import SchedulingConfig
+
+    g, cells = config.job.runs_per_group, config.layout.cells
+    job = SchedulingConfig(2, max(1, cells // g), g, 0)
+    work = dataclasses.replace(config.work, seed=config.work.seed + 20_000)
+    t = run_job(dataclasses.replace(config, job=job, work=work, mode="colocated"), pool).timings
+    rates = [n / s for n, s in zip(t["micro_batch_targets"], t["micro_batch_s"]) if s > 0]
+    ratio = statistics.median(rates) / costs["train_tokens_per_s"]
+    return min(float(cells), max(1.0, cells * ratio))
+
+
+def _robust_costs(t: dict, *, runs: int) -> dict:
+    """Medians of a multi-step calibration's timings (warm-up outliers do not move them)."""
+    rates = [n / s for n, s in zip(t["micro_batch_targets"], t["micro_batch_s"]) if s > 0]
+    return {
+        "train_tokens_per_s": statistics.median(rates),
+        "tokens_per_run": sum(t["micro_batch_targets"]) / runs,
+        "switch_s": statistics.median(t["switch_s"]),
+        "sync_s": statistics.median(t["sync_s"]) if t.get("sync_s") else 0.0,
+        "step_finish_s": statistics.median(t["step_finish_s"]),
     }
 
 
@@ -110,7 +165,8 @@ def sim_inputs(config, cal: dict):
                             gpus_per_node=lay.gpus_per_node, slots_per_cell=config.slots_per_cell)
     costs = CostConfig(train_tokens_per_cell_h=cal["train_tokens_per_s"],
                        step_fixed_h=cal["step_finish_s"], to_train_h=cal["switch_s"],
-                       sync_h=cal["sync_s"])
+                       sync_h=cal["sync_s"],
+                       parallel_training_cells=cal.get("parallel_training_cells", float("inf")))
     return workload, cluster, costs
 
 
@@ -123,6 +179,35 @@ def forecast_policy(config, cal: dict):
     return ForecastPolicy(train_groups_per_cell_h=per_s, horizon_h=config.harness.wall_clock_s)
 
 
+def best_static_rollout_cells(config, cal: dict) -> int:
+    """The async split (rollout cells) the simulator finds best for this job's calibrated
+    workload: hindsight over 1..cells-1, ties to fewer rollout cells."""
+    from ray_xlong.scheduling.asynchronous import AsyncPolicy
+    from ray_xlong.sim.simulator import simulate
+
+    workload, cluster, costs = sim_inputs(config, cal)
+    hours = {r: simulate(AsyncPolicy(rollout_cells=r), workload=workload, cluster=cluster,
+                         costs=costs, config=config.job).makespan_h
+             for r in range(1, config.layout.cells)}
+    return min(hours, key=lambda r: (hours[r], r))
+
+
+def mode_policy(mode: str, config, cal: dict):
+    """``(config of the real job, policy)`` of ``mode``: the same policy object drives Ray and
+    the simulator."""
+    from ray_xlong.rllib.config import make_policy
+    from ray_xlong.scheduling.asynchronous import AsyncPolicy
+
+    if mode == "forecast":
+        return dataclasses.replace(config, mode="elastic"), forecast_policy(config, cal)
+    if mode == "best_static":
+        r = best_static_rollout_cells(config, cal)
+        cfg = dataclasses.replace(config, mode="async", async_rollout_cells=r)
+        return cfg, AsyncPolicy(rollout_cells=r, name="best_static")
+    cfg = dataclasses.replace(config, mode=mode)
+    return cfg, make_policy(cfg)
+
+
 def run_modes(config, pool, modes, cal: dict, *,
               on_mode: Callable[[str], None] | None = None) -> tuple[dict, dict, float]:
     """Every mode on Ray and in the simulator.
@@ -131,31 +216,24 @@ def run_modes(config, pool, modes, cal: dict, *,
         ``(rows, logs, lower bound s)``: ``rows[mode]`` is a dict of measurements (see
         :func:`table`), ``logs[mode] = (ray events, simulator events)``.
     """
-    from ray_xlong.rllib.config import make_policy
-    from ray_xlong.rllib.driver import run_job
+    from ray_xlong.rllib.actuator import RayActuator
     from ray_xlong.rllib.metrics import check_invariants
-    from ray_xlong.sim.metrics import lower_bound_h
-    from ray_xlong.sim.simulator import simulate
 
-    workload, cluster, costs = sim_inputs(config, cal)
-    lb = lower_bound_h(workload=workload, cluster=cluster, costs=costs, config=config.job)
-    rows, logs = {}, {}
+    reals = {}
     for mode in modes:
         if on_mode is not None:
             on_mode(mode)
-        if mode == "forecast":
-            from ray_xlong.rllib.actuator import RayActuator
-
-            cfg = dataclasses.replace(config, mode="elastic")
-            real = RayActuator(cfg, forecast_policy(config, cal), pool).run()
-            policy = forecast_policy(config, cal)
-        else:
-            cfg = dataclasses.replace(config, mode=mode)
-            real = run_job(cfg, pool)
-            policy = make_policy(cfg)
-        sim = simulate(policy, workload=workload, cluster=cluster, costs=costs, config=cfg.job)
+        cfg, policy = mode_policy(mode, config, cal)
+        reals[mode] = (cfg, policy, RayActuator(cfg, policy, pool).run())
+    lb = _lower_bound(config, cal)
+    rows, logs = {}, {}
+    for mode, (cfg, policy, real) in reals.items():
+        sim = _simulate(policy, cfg, cal)
         rows[mode] = _row(real, sim, lb, check_invariants(
             real, staleness_bound=cfg.job.staleness_bound))
+        if mode == "best_static":
+            rows[mode]["split"] = {"rollout_cells": cfg.async_rollout_cells,
+                                   "training_cells": cfg.layout.cells - cfg.async_rollout_cells}
         logs[mode] = (real.events, sim.events)
     for row in rows.values():
         base = rows.get("colocated", row)["makespan_s"]
@@ -163,6 +241,20 @@ def run_modes(config, pool, modes, cal: dict, *,
         row["vs_elastic"] = row["makespan_s"] / rows.get("elastic", row)["makespan_s"]
         row["sim_vs_elastic"] = row["sim_makespan_s"] / rows.get("elastic", row)["sim_makespan_s"]
     return rows, logs, lb
+
+
+def _simulate(policy, cfg, cal: dict):
+    from ray_xlong.sim.simulator import simulate
+
+    workload, cluster, costs = sim_inputs(cfg, cal)
+    return simulate(policy, workload=workload, cluster=cluster, costs=costs, config=cfg.job)
+
+
+def _lower_bound(config, cal: dict) -> float:
+    from ray_xlong.sim.metrics import lower_bound_h
+
+    workload, cluster, costs = sim_inputs(config, cal)
+    return lower_bound_h(workload=workload, cluster=cluster, costs=costs, config=config.job)
 
 
 def _row(real, sim, lb: float, violations: list[str]) -> dict:
@@ -256,7 +348,7 @@ def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = N
         config = build_config(s, model_dir=model_dir, seed=seed)
         pool = start_cells(config)
         try:
-            cal = calibrate(config, pool)
+            cal = calibrate(config, pool, steps=s.get("cal_steps", 1))
             rows, logs, lb = run_modes(config, pool, modes, cal, on_mode=on_mode)
         finally:
             pool.shutdown()

@@ -11,10 +11,16 @@ colocated-like waves. This policy looks ahead instead, using two facts the opera
 * one training cell trains ``train_groups_per_cell_h`` groups an hour (the cost model).
 
 ```
-target = ceil((ready_groups + live_runs / G) / (train_groups_per_cell_h * horizon_h))
+horizon = max(horizon_h, age of the oldest live run)      (adapts when run horizons grow)
+target  = ceil((ready_groups + live_runs / G) / (train_groups_per_cell_h * horizon))
 supply = cells training + cells draining        (syncing cells are on their way back)
 supply < target  ->  drain the rollout cell whose newest run is oldest (it empties first)
 ```
+
+The horizon adapts (issue 15): when agent horizons grow during training (the operator raises
+the run timeout as the policy learns, or a new task mix runs longer), a live run older than
+``horizon_h`` proves that runs now take longer, so work arrives more slowly than ``horizon_h``
+says; sizing by the stale horizon would keep too many cells training.
 
 Rules, applied to every snapshot (no hidden state):
 
@@ -78,8 +84,13 @@ class ForecastPolicy:
     def target_trainers(self, state: ClusterState) -> int:
         """Training cells the work of the next ``horizon_h`` hours needs (see module docstring)."""
         groups = state.ready_groups + state.live_runs / state.config.runs_per_group
-        need = math.ceil(groups / (self.train_groups_per_cell_h * self.horizon_h) - 1e-9)
+        need = math.ceil(groups / (self.train_groups_per_cell_h * self.horizon(state)) - 1e-9)
         return max(0, min(need, len(state.cells) - self.min_rollout_cells))
+
+    def horizon(self, state: ClusterState) -> float:
+        """``horizon_h``, or the age of the oldest live run when that is longer (hours)."""
+        oldest = min((c.oldest_run_start for c in state.cells if c.live_runs), default=state.time)
+        return max(self.horizon_h, state.time - oldest)
 
     def _free_cells(self, state: ClusterState, target: int) -> list[Move]:
         trainers = [c for c in state.cells if c.idle_trainer]

@@ -50,8 +50,14 @@ class CostConfig:
     """Rollout → training switch."""
     sync_h: float
     """Training → rollout: weight load + engine wake."""
+    parallel_training_cells: float = float("inf")
+    """Most cells whose training runs at full speed at once; more training cells share that
+    throughput (a test bed whose logical GPUs share a few CPU cores). inf on real GPUs."""
 
     def __post_init__(self) -> None:
+        if not self.parallel_training_cells >= 1:
+            raise ValueError(f"CostConfig.parallel_training_cells: must be >= 1, "
+                             f"got {self.parallel_training_cells}")
         if not self.train_tokens_per_cell_h > 0:
             raise ValueError(
                 f"CostConfig.train_tokens_per_cell_h: must be > 0, got {self.train_tokens_per_cell_h}"

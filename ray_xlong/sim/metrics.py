@@ -11,12 +11,16 @@ Lower bound = max(work bound, chain bound):
   all steps, which are applied one by one after the first group ended.
 
 No schedule can beat either, so every mode's makespan is >= the bound (a property test).
+
+:func:`role_switches` counts each cell's role switches in an event log (the main job's summary).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
+from ray_xlong.scheduling.events import Event
 from ray_xlong.scheduling.state import SchedulingConfig
 from ray_xlong.sim.cluster import ClusterConfig, CostConfig
 from ray_xlong.sim.simulator import SimResult
@@ -68,3 +72,22 @@ def summarize(result: SimResult) -> ModeSummary:
         staleness_mean=sum(stale) / len(stale), staleness_max=max(stale),
         steps=len(set(result.trained_step)), runs=runs,
     )
+
+
+SWITCH_ROLES = ("training", "syncing")
+"""A cell switches role when it enters training (from rollout, directly or after draining) or
+starts syncing back to rollout; ``draining`` and the ``rollout`` after a sync are the two
+halves of those switches, not switches of their own."""
+
+
+def role_switches(events: Sequence[Event]) -> dict[int, int]:
+    """Role switches per cell of an event log (simulated or from Ray: the same format).
+
+    Returns:
+        ``{cell: switches}`` for every cell that appears in ``events`` (0 when it never switched).
+    """
+    out = {e.cell: 0 for e in events if e.cell >= 0}
+    for e in events:
+        if e.kind == "role" and e.role in SWITCH_ROLES:
+            out[e.cell] += 1
+    return dict(sorted(out.items()))

@@ -7,7 +7,10 @@ Modes (policy objects from ``ray_xlong.scheduling``, unchanged):
   cells sized by the work certain to arrive within the run timeout, drained ahead of need,
   newest-run-oldest first. Kept because it wins on every seed tried (paper-2.4t, seeds 0-4:
   68.9-69.5 h vs elastic's 79.8-83.1 h; ``benchmarks/scheduler_sim.py --compare-seeds``);
-* ``async+streaming`` / ``colocated+streaming`` — the streaming-only ablation.
+* ``async+streaming`` / ``colocated+streaming`` — the streaming-only ablation;
+* ``best_static`` — async with the split (rollout / training cells) that the simulator finds
+  best for the very workload it is then compared on: chosen with hindsight over every split
+  (:func:`best_static_split`), so no fixed split does better on that workload.
 
 An earlier own attempt (drain the cell holding the *oldest* run) won seed 0 and lost seed 1: a
 drain ends with a cell's *newest* run, which the oldest run says nothing about.
@@ -50,6 +53,23 @@ def make_policies(preset: Preset) -> dict[str, Policy]:
         "async+streaming": AsyncPolicy(rollout_cells=r, streaming=True, name="async+streaming"),
         "colocated+streaming": ColocatedPolicy(streaming=True, name="colocated+streaming"),
     }
+
+
+def best_static_split(preset: Preset, *, workload: Workload) -> tuple[int, SimResult]:
+    """The async split with the shortest makespan on ``workload`` (hindsight over 1..cells-1
+    rollout cells; ties: fewer rollout cells).
+
+    Returns:
+        ``(rollout_cells, its SimResult)`` (the result's mode is ``best_static``).
+    """
+    best: tuple[int, SimResult] | None = None
+    for r in range(1, preset.cluster.cells):
+        policy = AsyncPolicy(rollout_cells=r, name="best_static")
+        result = simulate_preset(preset, policy, seed=0, workload=workload)
+        if best is None or result.makespan_h < best[1].makespan_h:
+            best = (r, result)
+    assert best is not None  # ClusterConfig.cells >= 2 here: AsyncPolicy needs a training cell
+    return best
 
 
 def with_steps(preset: Preset, steps: int) -> Preset:

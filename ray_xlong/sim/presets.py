@@ -19,10 +19,25 @@ never tuned: its makespan is a prediction to compare with the paper's 75.42 h.
 | train_tokens_per_cell_h    | 6.83e7       | [fitted] colocated → 91.47 h; sanity: 256 runs × 700k = 1.8e8 tokens/step → 0.33 h on 8 cells ≈ 6·1e11 active params / (256 GPUs × 0.4 × 1 PFLOP/s) per token |
 | step_fixed_h               | 0.05 h       | [assumed] optimizer step + reduce + broadcast, 3 min |
 | to_train_h / sync_h        | 5 min / 10 min | [assumed] engine sleep + learner wake / weight load of 2.4T params + engine wake |
+
+Drifting variants (issue 15): the same cluster, costs and job; only the workload changes.
+
+| preset            | change | provenance |
+|-------------------|--------|------------|
+| paper-2.4t-drift  | median_growth 2, token_rate_growth 0.5: median and timeout grow geometrically from 5.00 h / 6 h (first group) to 10.0 h / 12 h (last); tokens a run stay ~700k | [assumed] "agent horizons grow as the policy learns" (issue 15), the longer horizon being tool time (builds, test suites) between the same model calls, so rollout time grows and training work does not |
+| paper-2.4t-shift  | first half: short token-dense tasks (median 2.50 h, timeout 3 h, 317,460 tokens/h); second half: long tool-bound tasks (median 10 h, timeout 12 h, 79,365 tokens/h); ~700k tokens a run in both | [assumed] the task mix changes abruptly at step 24 (issue 15); the job-wide geometric-mean median stays the paper's 5 h |
+
+(With tokens proportional to run time, a drift leaves the rollout ÷ training work ratio
+unchanged, and a fixed split stays right: ``median_growth`` 2 alone gives forecast 100.76 h vs
+best_static 103.58 h, 1.03×, seed 0.)
+
+In both, the rollout ÷ training work ratio moves during the job, so no fixed split fits the
+whole job; ``best_static`` (``sim/modes.py``) picks the best split with hindsight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -68,7 +83,23 @@ PAPER_2_4T = Preset(
     async_rollout_cells=3,
 )
 
-PRESETS = {PAPER_2_4T.name: PAPER_2_4T}
+_W = PAPER_2_4T.workload
+
+PAPER_2_4T_DRIFT = dataclasses.replace(
+    PAPER_2_4T, name="paper-2.4t-drift",
+    workload=dataclasses.replace(_W, median_growth=2.0, token_rate_growth=0.5),
+)
+
+PAPER_2_4T_SHIFT = dataclasses.replace(
+    PAPER_2_4T, name="paper-2.4t-shift",
+    workload=dataclasses.replace(
+        _W, median_run_h=_W.median_run_h / 2, timeout_h=_W.timeout_h / 2,
+        tokens_per_run_h=2 * _W.tokens_per_run_h, then_from=0.5,
+        then=dataclasses.replace(_W, median_run_h=2 * _W.median_run_h, timeout_h=2 * _W.timeout_h,
+                                 tokens_per_run_h=_W.tokens_per_run_h / 2)),
+)
+
+PRESETS = {p.name: p for p in (PAPER_2_4T, PAPER_2_4T_DRIFT, PAPER_2_4T_SHIFT)}
 """Presets by name."""
 
 

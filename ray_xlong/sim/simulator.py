@@ -82,9 +82,12 @@ class _Sim:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, what, a, b))
 
-    def rate(self) -> int:
+    def rate(self) -> float:
+        """Cell-hours of training done per hour: the ready cells on the step (at most
+        ``parallel_training_cells`` of them at full speed)."""
         m = self.m
-        return sum(1 for c, s in enumerate(m.step_of) if s >= 0 and m.ready_at[c] <= self.now + EPS)
+        n = sum(1 for c, s in enumerate(m.step_of) if s >= 0 and m.ready_at[c] <= self.now + EPS)
+        return min(n, self.costs.parallel_training_cells)
 
     def busy_frac_sum(self) -> float:
         m, total = self.m, 0.0

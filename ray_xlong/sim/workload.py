@@ -11,7 +11,15 @@ log d = log median + sigma * (rho * z_task + sqrt(1 - rho^2) * z_run),   d = min
 tokens = tokens_per_hour * d * unique_token_frac
 ```
 
-Invariants: 0 < duration <= timeout_h; sampling is a pure function of (config, runs, seed).
+Drift (issue 15), both off by default: ``median_growth`` scales the median *and* the timeout of
+group k by ``median_growth ** (k / (groups - 1))`` (horizons grow as the policy learns: the last
+group's median is ``median_growth`` × the first's) and its tokens per hour by
+``token_rate_growth ** (k / (groups - 1))``; ``then`` replaces the whole distribution from
+group ``ceil(then_from × groups)`` on (an abrupt change of the task mix). Groups are admitted in
+index order, so a group's index is its place in training.
+
+Invariants: 0 < duration <= the group's timeout; sampling is a pure function of
+(config, runs, seed).
 """
 
 from __future__ import annotations
@@ -40,9 +48,19 @@ class WorkloadConfig:
     """Correlation of log-durations within a group (task difficulty), in [0, 1]."""
     failure_rate: float = 0.0
     """Fraction of runs that fail early (environment error) at a uniform point of their run."""
+    median_growth: float = 1.0
+    """Median and timeout of the job's last group ÷ its first's, geometric in the group index."""
+    token_rate_growth: float = 1.0
+    """``tokens_per_run_h`` of the last group ÷ the first's, geometric like ``median_growth``
+    (``1 / median_growth`` keeps tokens per run flat: the longer horizon is tool time)."""
+    then: WorkloadConfig | None = None
+    """The distribution from ``then_from`` of the job on (an abrupt task-mix change), or None."""
+    then_from: float = 0.5
+    """Fraction of the job's groups after which ``then`` applies, in (0, 1)."""
 
     def __post_init__(self) -> None:
-        for name in ("median_run_h", "timeout_h", "tokens_per_run_h"):
+        for name in ("median_run_h", "timeout_h", "tokens_per_run_h", "median_growth",
+                     "token_rate_growth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"WorkloadConfig.{name}: must be > 0, got {getattr(self, name)}")
         if self.sigma < 0:
@@ -51,6 +69,19 @@ class WorkloadConfig:
             v = getattr(self, name)
             if not 0 <= v <= 1 or (name == "unique_token_frac" and v == 0):
                 raise ValueError(f"WorkloadConfig.{name}: must be in (0, 1] / [0, 1], got {v}")
+        if not 0 < self.then_from < 1:
+            raise ValueError(f"WorkloadConfig.then_from: must be in (0, 1), got {self.then_from}")
+
+    @property
+    def stationary(self) -> bool:
+        """No drift and no shift: every group follows the same distribution."""
+        return self.median_growth == self.token_rate_growth == 1.0 and self.then is None
+
+    @property
+    def max_timeout_h(self) -> float:
+        """The longest any run of the job may take (the last group's timeout, or ``then``'s)."""
+        own = self.timeout_h * self.median_growth
+        return max(own, self.then.max_timeout_h) if self.then is not None else own
 
     def mean_duration_h(self) -> float:
         """E[run duration] after the timeout cap and early failures (capped-lognormal formula)."""
@@ -105,12 +136,25 @@ def sample_workload(config: WorkloadConfig, *, runs: int, group_size: int, seed:
     """
     if runs < 1 or runs % group_size:
         raise ValueError(f"sample_workload.runs: {runs} is not a positive multiple of {group_size}")
+    d, tokens = _sample(config, runs=runs, group_size=group_size, seed=seed)
+    if config.then is not None:
+        cut = math.ceil(config.then_from * runs / group_size) * group_size
+        d2, t2 = _sample(config.then, runs=runs, group_size=group_size, seed=seed + 1)
+        d, tokens = np.concatenate([d[:cut], d2[cut:]]), np.concatenate([tokens[:cut], t2[cut:]])
+    return Workload(tuple(d.tolist()), tuple(tokens.tolist()), group_size)
+
+
+def _sample(config: WorkloadConfig, *, runs: int, group_size: int,
+            seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Durations and tokens of every run under ``config`` alone (its ``then`` ignored)."""
     rng = np.random.default_rng(seed)
-    rho = config.task_corr
-    z_task = np.repeat(rng.standard_normal(runs // group_size), group_size)
+    rho, groups = config.task_corr, runs // group_size
+    z_task = np.repeat(rng.standard_normal(groups), group_size)
     z = rho * z_task + math.sqrt(1 - rho * rho) * rng.standard_normal(runs)
-    d = np.minimum(config.median_run_h * np.exp(config.sigma * z), config.timeout_h)
+    where = np.repeat(np.arange(groups) / max(1, groups - 1), group_size)
+    scale = config.median_growth ** where  # 1 at the first group, median_growth at the last
+    d = np.minimum(config.median_run_h * scale * np.exp(config.sigma * z), config.timeout_h * scale)
     failed = rng.random(runs) < config.failure_rate
     d = np.where(failed, d * rng.uniform(0.05, 1.0, runs), d)
-    tokens = d * config.tokens_per_run_h * config.unique_token_frac
-    return Workload(tuple(d.tolist()), tuple(tokens.tolist()), group_size)
+    rate = config.tokens_per_run_h * config.token_rate_growth ** where
+    return d, d * rate * config.unique_token_frac

@@ -20,9 +20,11 @@ def test_modes_ray_smoke(tmp_path, capsys):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out_json, plots = tmp_path / "out.json", tmp_path / "plots"
-    mod.main(["--smoke", "--seed", "0", "--json", str(out_json), "--plot-dir", str(plots)])
+    mod.main(["--smoke", "--seed", "0", "--json", str(out_json), "--plot-dir", str(plots),
+              "--modes", "colocated", "async", "elastic", "best_static"])
     data = json.loads(out_json.read_text())
-    assert set(data["modes"]) == {"colocated", "async", "elastic"}
+    assert set(data["modes"]) == {"colocated", "async", "elastic", "best_static"}
+    assert data["modes"]["best_static"]["split"]["rollout_cells"] == 1   # 2 cells: 1 / 1
     for mode, row in data["modes"].items():
         assert row["makespan_s"] > 0 and row["sim_makespan_s"] > 0
         assert 0 < row["gpu_busy_frac"] <= 1

@@ -24,6 +24,9 @@ def test_scheduler_sim_smoke(tmp_path, capsys):
     for mode in ("colocated", "async", "elastic", "forecast"):
         row = data["modes"][mode]
         assert row["makespan_h"] >= data["lower_bound_h"] and 0 <= row["gpu_idle_frac"] <= 1
+    split = data["modes"]["best_static"]["split"]
+    assert split["rollout_cells"] + split["training_cells"] == 8 and split["rollout_cells"] >= 1
+    assert data["modes"]["best_static"]["speedup_vs_best_static"] == 1.0
     assert [r["seed"] for r in data["seed_comparison"]] == [0, 1]
     printed = capsys.readouterr().out
     assert "| mode | makespan h |" in printed and "forecast wins" in printed

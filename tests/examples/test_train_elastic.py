@@ -48,3 +48,24 @@ def test_enable_on_existing_config_example(tmp_path):
     assert "as expected: enable: 2 setting(s)" in out.stdout
     assert "kept: lr=0.0003 grad_clip=0.5 runs/step=8" in out.stdout
     assert "step 2: reward" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_main_job_configuration_switches_every_cell_at_least_twice(tmp_path):
+    # `make run`'s configuration (engine, cells, groups, staleness bound: the example's
+    # defaults), shortened to 6 steps: elastic must move every cell, not pin one per role
+    pytest.importorskip("vllm")
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import train_elastic
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    out = run(["examples/train_elastic.py", "--steps", "6", "--out", str(tmp_path / "out")],
+              tmp_path, timeout=900)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    per_cell = summary["role_switches_per_cell"]
+    assert len(per_cell) == train_elastic.CELLS, per_cell
+    assert min(per_cell.values()) >= 2, per_cell
+    assert summary["role_switches"] == sum(per_cell.values())
+    assert "role switches:" in out.stdout

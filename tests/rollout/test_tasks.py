@@ -98,3 +98,24 @@ def test_long_horizon_latencies_are_heavy_tailed_and_seeded():
     a = latencies(0)
     np.testing.assert_array_equal(a, latencies(0))
     assert a.max() > 10 * np.median(a)                    # heavy tail (sigma 1.5)
+
+
+def test_long_horizon_run_pace_makes_a_runs_tool_time_lognormal():
+    # latency_sigma 0, run_sigma 0.8: every step of a run takes median × pace, one pace per run,
+    # so a run's tool time is 4 × 100 s × exp(0.8 z): log-std 0.8 over runs, median 400 s
+    from ray_xlong.rollout.tasks import LongHorizonConfig, LongHorizonTask
+
+    cfg = LongHorizonConfig(num_steps=4, latency_median_s=100.0, latency_sigma=0.0,
+                            run_sigma=0.8, time_scale=1e-12)
+
+    def total(seed):
+        env = LongHorizonTask(seed, config=cfg)
+        env.reset()
+        for k in range(1, 5):
+            asyncio.run(env.call_tool("work", str(k)))
+        return env.tool_seconds
+
+    totals = np.array([total(s) for s in range(400)])
+    assert np.std(np.log(totals)) == pytest.approx(0.8, abs=0.08)
+    assert np.median(totals) == pytest.approx(400.0, rel=0.15)
+    assert total(7) == total(7)

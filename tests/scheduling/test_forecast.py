@@ -82,3 +82,14 @@ def test_snapshot_reports_the_newest_run_start():
     cell = m.snapshot(2.0).cells[0]
     assert (cell.oldest_run_start, cell.newest_run_start) == (0.0, 1.5)
     assert m.snapshot(2.0).cells[1].newest_run_start == float("inf")  # empty
+
+
+def test_horizon_grows_with_the_oldest_live_run():
+    # runs started at t=0 are still live at t=5 although horizon_h is 2: runs now take longer,
+    # so the same live work arrives over 5 h -> 4 groups / (1 group/cell-h · 5 h) -> 1 cell
+    m = started()
+    policy = ForecastPolicy(train_groups_per_cell_h=1.0, horizon_h=2.0)
+    assert policy.horizon(m.snapshot(2.0)) == 2.0
+    assert policy.horizon(m.snapshot(5.0)) == 5.0
+    assert policy.target_trainers(m.snapshot(5.0)) == 1
+    assert policy.target_trainers(m.snapshot(2.0)) == 2

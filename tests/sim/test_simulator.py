@@ -193,3 +193,40 @@ def _unit_cluster():
         "cluster": ClusterConfig(cells=2, nodes_per_cell=1, gpus_per_node=1, slots_per_cell=1),
         "costs": CostConfig(train_tokens_per_cell_h=1, step_fixed_h=0, to_train_h=0, sync_h=0),
     }
+
+
+def test_role_switches_count_entering_training_and_syncing_per_cell():
+    from ray_xlong.scheduling.events import Event
+    from ray_xlong.sim.metrics import role_switches
+
+    # cell 0: drain -> train -> sync -> rollout = 2 switches; cell 1 only ran runs; cell 2
+    # trained from a reserve (1 switch)
+    log = [Event(0.0, "run_started", cell=1, run=0, group=0),
+           Event(1.0, "role", cell=0, role="draining"), Event(2.0, "role", cell=0, role="training"),
+           Event(3.0, "role", cell=0, role="syncing"), Event(4.0, "role", cell=0, role="rollout"),
+           Event(0.0, "role", cell=2, role="training")]
+    assert role_switches(log) == {0: 2, 1: 0, 2: 1}
+
+
+def test_parallel_training_cap_slows_training_on_many_cells():
+    # colocated, 4 cells, 1 step of 4 groups: training work 4 cell-h; uncapped 4 cells train it
+    # in 1 h, capped at 2 cells it takes 2 h (the rollout part is the same)
+    import dataclasses
+
+    from ray_xlong.scheduling.colocated import ColocatedPolicy
+    from ray_xlong.sim.cluster import ClusterConfig, CostConfig
+    from ray_xlong.sim.simulator import simulate
+    from ray_xlong.sim.workload import WorkloadConfig, sample_workload
+    from ray_xlong.scheduling.state import SchedulingConfig
+
+    job = SchedulingConfig(total_steps=1, batch_groups=4, runs_per_group=1, staleness_bound=0)
+    w = sample_workload(WorkloadConfig(median_run_h=1, sigma=0, timeout_h=2, tokens_per_run_h=1),
+                        runs=4, group_size=1, seed=0)
+    costs = CostConfig(train_tokens_per_cell_h=1.0, step_fixed_h=0.0, to_train_h=0.0, sync_h=0.0)
+    cluster = ClusterConfig(cells=4, nodes_per_cell=1, gpus_per_node=1, slots_per_cell=1)
+    free = simulate(ColocatedPolicy(), workload=w, cluster=cluster, costs=costs, config=job)
+    capped = simulate(ColocatedPolicy(), workload=w, cluster=cluster, config=job,
+                      costs=dataclasses.replace(costs, parallel_training_cells=2.0))
+    assert free.makespan_h == pytest.approx(2.0) and capped.makespan_h == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="CostConfig.parallel_training_cells"):
+        dataclasses.replace(costs, parallel_training_cells=0.5)

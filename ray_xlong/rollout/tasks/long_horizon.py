@@ -40,15 +40,20 @@ class LongHorizonConfig:
     """Wall seconds per task second."""
     log_words_mean: float = 12.0
     """Mean length of a work log (log-normal, same sigma), in words."""
+    run_sigma: float = 0.0
+    """Log-normal sigma of a per-run pace that multiplies every latency of the run (with
+    ``latency_sigma`` 0 a run's tool time is exactly log-normal: median ``num_steps`` ×
+    ``latency_median_s``, shape ``run_sigma``, as in ``ray_xlong.sim``'s workload model)."""
 
     def __post_init__(self) -> None:
         for name in ("num_steps", "latency_median_s", "time_scale", "log_words_mean"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"LongHorizonConfig.{name} must be > 0, "
                                  f"got {getattr(self, name)!r}")
-        if self.latency_sigma < 0:
-            raise ValueError(f"LongHorizonConfig.latency_sigma must be >= 0, "
-                             f"got {self.latency_sigma!r}")
+        for name in ("latency_sigma", "run_sigma"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LongHorizonConfig.{name} must be >= 0, "
+                                 f"got {getattr(self, name)!r}")
 
 
 class LongHorizonTask:
@@ -63,6 +68,7 @@ class LongHorizonTask:
         self.done = 0
         self.answer: str | None = None
         self.tool_seconds = 0.0
+        self.pace = float(np.exp(config.run_sigma * self.rng.normal())) if config.run_sigma else 1.0
 
     def reset(self) -> Observation:
         self.done, self.answer = 0, None
@@ -78,7 +84,8 @@ class LongHorizonTask:
         if step != self.done + 1:
             raise ToolError(f"step {step} is out of order; next is {self.done + 1}")
         cfg = self.config
-        latency = cfg.latency_median_s * float(np.exp(cfg.latency_sigma * self.rng.normal()))
+        latency = self.pace * cfg.latency_median_s * float(
+            np.exp(cfg.latency_sigma * self.rng.normal()))
         self.tool_seconds += latency
         await asyncio.sleep(latency * cfg.time_scale)
         self.done = step

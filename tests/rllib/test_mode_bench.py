@@ -1,0 +1,45 @@
+"""mode_bench's paper8 size without Ray: the paper-2.4t run-length shape compressed to seconds,
+and best_static = the split the simulator finds best on the calibrated workload."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_xlong.rllib.long_horizon_job import predicted_durations
+from ray_xlong.rllib.mode_bench import (
+    PAPER8_MODES, SIZES, best_static_rollout_cells, build_config, mode_policy, sim_inputs,
+)
+
+CAL = {"call_s": 0.01, "train_tokens_per_s": 2000.0, "tokens_per_run": 300.0,
+       "switch_s": 0.1, "sync_s": 0.2, "step_finish_s": 0.2}
+"""A made-up calibration (the real one is measured on Ray in the same run)."""
+
+
+def test_paper8_is_the_paper_shape_compressed_to_seconds():
+    config = build_config(SIZES["paper8"], model_dir="/unused", seed=0)
+    assert config.layout.cells == 8 and config.job.total_steps >= 6
+    assert config.job.staleness_bound == 7 and config.harness.wall_clock_s == pytest.approx(6.0)
+    assert not config.work.model_logprobs                         # light runners
+    tool = np.array(predicted_durations(config.work, runs=400, call_s=0.0, timeout_s=1e9))
+    # median 5 s (paper: 5 h), log-std 0.8 -> 61% of runs >= 4 s before the 6 s cut
+    assert np.median(tool) == pytest.approx(5.0, rel=0.15)
+    assert np.std(np.log(tool)) == pytest.approx(0.8, abs=0.1)
+    assert np.mean(tool >= 4.0) == pytest.approx(0.61, abs=0.07)
+    assert set(PAPER8_MODES) == {"colocated", "async", "elastic", "forecast", "best_static"}
+
+
+def test_best_static_is_the_best_async_split_in_the_simulator():
+    from ray_xlong.scheduling.asynchronous import AsyncPolicy
+    from ray_xlong.sim.simulator import simulate
+
+    size = dict(SIZES["paper8"], steps=3)
+    config = build_config(size, model_dir="/unused", seed=0)
+    workload, cluster, costs = sim_inputs(config, CAL)
+    best = best_static_rollout_cells(config, CAL)
+    hours = [simulate(AsyncPolicy(rollout_cells=r), workload=workload, cluster=cluster,
+                      costs=costs, config=config.job).makespan_h for r in range(1, 8)]
+    assert hours[best - 1] == min(hours)
+    cfg, policy = mode_policy("best_static", config, CAL)
+    assert cfg.mode == "async" and cfg.async_rollout_cells == best == policy.rollout_cells
+    assert policy.name == "best_static"
