@@ -80,7 +80,7 @@ def tool_seconds(job: LongHorizonJob, run: int) -> float:
 
     async def work() -> None:
         for step in range(1, cfg.num_steps + 1):
-            await env.call_tool("work", str(step))
+            await env.call_tool("work", {"step": step})
     asyncio.run(work())
     return env.tool_seconds * job.task.time_scale
 

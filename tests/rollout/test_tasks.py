@@ -112,7 +112,7 @@ def test_long_horizon_run_pace_makes_a_runs_tool_time_lognormal():
         env = LongHorizonTask(seed, config=cfg)
         env.reset()
         for k in range(1, 5):
-            asyncio.run(env.call_tool("work", str(k)))
+            asyncio.run(env.call_tool("work", {"step": k}))
         return env.tool_seconds
 
     totals = np.array([total(s) for s in range(400)])
