@@ -143,6 +143,12 @@ class RunInfo:
     """The error that failed the run, if any."""
     tool_truncations: int = 0
     """Tool results cut to ``max_tool_output_tokens``."""
+    turns: int = 0
+    """Main-agent outputs acted on (a tool call or the answer; retried outputs not counted)."""
+    tool_calls: int = 0
+    """Tool calls issued (subagent starts included), whether they succeeded or not."""
+    malformed: int = 0
+    """Model outputs that did not parse (retried, or answered with an error result)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -183,7 +189,8 @@ class _RunState:
         self.start = time.monotonic()
         self.generated = 0
         self.counts = dict(retries=0, engine_retries=0, compactions=0, subagents=0,
-                           tool_errors=0, tool_truncations=0)
+                           tool_errors=0, tool_truncations=0, turns=0, tool_calls=0,
+                           malformed=0)
 
     def record(self, agent: _Agent, kind: str, inp: np.ndarray, out: np.ndarray,
                result: GenerateResult, started: float) -> None:
@@ -263,6 +270,7 @@ class Harness:
             inp = agent.ctx.view()
             result, started = await self._generate(state, inp, self.config.max_new_tokens)
             action = self.chat.parse(result.output_ids)
+            state.counts["malformed"] += isinstance(action, Malformed)
             if isinstance(action, Malformed) and retries < self.config.max_retries:
                 retries += 1
                 state.counts["retries"] += 1
@@ -271,6 +279,7 @@ class Harness:
             retries = 0
             out = agent.ctx.append(result.output_ids)
             state.record(agent, agent.kind, inp, out, result, started)
+            state.counts["turns"] += agent.agent_id == "main"
             if isinstance(action, Answer):
                 return action.text
             text = await self._act(state, env, agent, action)
@@ -284,6 +293,7 @@ class Harness:
         """The tool result text for an action (errors become text the agent sees)."""
         if isinstance(action, Malformed):
             return f"error: malformed output ({action.reason})"
+        state.counts["tool_calls"] += 1
         if action.name == "subagent":
             return await self._subagent(state, env, agent, action.args)
         try:
