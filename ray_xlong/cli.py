@@ -2,6 +2,7 @@
 
     ray-xlong synth    --out runs.jsonl [--paper] [--groups G --runs-per-group R]
     ray-xlong inspect  runs.jsonl [--run RUN] [--max-trajectories 5] [--tree-tokens 8]
+                       [--html OUT.html [--tokenizer DIR]]
     ray-xlong sim      [--preset paper-2.4t] [--seed 0] [--steps N] [--events-dir DIR]
     ray-xlong bench    [--backend sim|ray] [--modes ...] [--forecast] [--json PATH]
                        sim: [--preset paper-2.4t] [--steps N]   ray: [--size smoke|quick|full]
@@ -69,6 +70,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"kept, {s.trajectories_dropped} dropped; tokens Σ {s.total_tokens:,} → unique "
           f"{s.unique_tokens:,} (dedup {s.dedup_ratio:.2f}×), trainable {s.trainable_tokens:,}; "
           f"timeouts {s.runs_timeout}, failed {s.runs_failed}")
+    if args.html:
+        from ray_xlong.viewer import write_page
+
+        write_page(args.html, runs, batch, title=pathlib.Path(args.runs).name,
+                   tokenizer=args.tokenizer)
+        print(f"wrote {args.html} (open it in a browser)")
     return 0
 
 
