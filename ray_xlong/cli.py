@@ -299,6 +299,7 @@ def _train_flags(args: argparse.Namespace) -> dict:
 
 
 def _train(spec) -> int:
+    from ray_xlong.rllib.trackers import TrackerSession, cli_trackers, tracker_callbacks
     from ray_xlong.rllib.train import HEADER, row, run_training
     from ray_xlong.scheduling.events import to_jsonl
     from ray_xlong.sim.timeline import plot_timelines
@@ -307,15 +308,29 @@ def _train(spec) -> int:
     import ray
 
     out = pathlib.Path(spec.run.out)
+    callbacks = tracker_callbacks(cli_trackers(spec.run.trackers), project=spec.run.project,
+                                  out_dir=out / "trackers")     # checked before Ray starts
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump(spec))
     print(HEADER, flush=True)
+    sessions: list = []               # Ray is up once the first result arrives
+
+    def track(result: dict) -> None:
+        if not sessions:
+            sessions.append(TrackerSession(callbacks, project=spec.run.project,
+                                           out_dir=out / "trackers", config=spec.as_dict()))
+        sessions[0].log(result)
+
     owned = not ray.is_initialized()          # the embedded Ray run_training starts goes after
+    failed = True
     try:
         run = run_training(mode=spec.xlong.mode, steps=spec.run.steps, seed=spec.run.seed,
                            engine=spec.xlong.engine, workdir=spec.run.workdir, spec=spec,
-                           on_step=lambda r: print(row(r), flush=True))
+                           on_step=lambda r: print(row(r), flush=True), on_result=track)
+        failed = False
     finally:
+        for session in sessions:
+            session.close(failed=failed)
         if owned:
             ray.shutdown()
     (out / "events.jsonl").write_text(to_jsonl(run.events))
@@ -324,6 +339,8 @@ def _train(spec) -> int:
     print(f"reward {run.rewards[0]:.3f} -> {run.rewards[-1]:.3f}; cells up {run.startup_s:.0f}"
           f" s, training {run.train_s:.0f} s; wrote {out / 'timeline.png'} and "
           f"{out / 'events.jsonl'} (ray-xlong timeline ... --time-unit seconds)")
+    if sessions:
+        print(f"trackers ({', '.join(cli_trackers(spec.run.trackers))}): {out / 'trackers'}")
     return 0
 
 
