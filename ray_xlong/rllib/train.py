@@ -109,10 +109,10 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
     ensure_ray(cpus=max(os.cpu_count() or 1, cells), gpus=cells)
     config = spec.algorithm_config(model_dir=model_dir) if spec is not None else (
         XLongConfig().debugging(seed=seed)
-              .training(train_batch_size_per_learner=groups * runs_per_group)
-              .xlong(mode=mode, cells=cells, runs_per_group=runs_per_group, engine=engine,
-                     model_dir=model_dir, staleness_bound=staleness_bound,
-                     placement_strategy="PACK")))
+        .training(train_batch_size_per_learner=groups * runs_per_group)
+        .xlong(mode=mode, cells=cells, runs_per_group=runs_per_group, engine=engine,
+               model_dir=model_dir, staleness_bound=staleness_bound,
+               placement_strategy="PACK"))
     algo = config.build_algo()
     t2 = time.perf_counter()
     try:
