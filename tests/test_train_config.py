@@ -62,7 +62,8 @@ def test_layers_file_then_flags_then_set(tmp_path):
                  id="unknown-tracker"),
     pytest.param("xlong:\n  runs_per_group: 3\n", "must be a multiple of xlong.runs_per_group",
                  id="batch-not-multiple"),
-    pytest.param("- a list\n", ":1: the file must be a mapping of sections", id="not-a-mapping-file"),
+    pytest.param("- a list\n", ":1: the file must be a mapping of sections",
+                 id="not-a-mapping-file"),
     pytest.param("run: [\n", "not valid YAML", id="bad-yaml"),
 ])
 def test_errors_name_the_field_and_the_line(tmp_path, text, message):
