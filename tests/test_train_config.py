@@ -121,3 +121,24 @@ def dataclasses_replace(obj, **changes):
 
 def test_there_are_example_configs():
     assert len(EXAMPLES) >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_train_from_the_tracked_example_config_writes_every_tracker(tmp_path, monkeypatch):
+    """``ray-xlong train --config examples/configs/smoke_hf_tracked.yaml`` (one step): the
+    effective config, W&B offline run, MLflow file store and TensorBoard events are written."""
+    from ray_xlong.cli import main
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    out = tmp_path / "out"
+    assert main(["train", "--config", str(ROOT / "examples/configs/smoke_hf_tracked.yaml"),
+                 "--steps", "1", "--set", f"run.out={out}",
+                 "--set", f"run.workdir={tmp_path / 'cache'}"]) == 0
+    assert load_spec(str(out / "config.yaml"), base=TrainSpec()).run.trackers == ("wandb",
+                                                                                 "mlflow")
+    trackers = out / "trackers"
+    assert list(trackers.glob("wandb/offline-run-*/run-*.wandb"))
+    assert list(trackers.glob("mlruns/*/*/metrics/learners/default_policy/policy_loss"))
+    assert list(trackers.glob("ray_xlong_smoke/XLongAlgorithm_*/events.out.tfevents.*"))

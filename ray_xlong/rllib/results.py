@@ -18,7 +18,10 @@ take_step_stats``); :func:`learner_metrics` merges the members of a step. The st
 (``StepReport.step_s``) splits into ``training`` (the slowest member's forward / backward and
 optimizer step), ``syncing`` (the rest of the step's end on the driver: the gradient reduce and
 the new weights pushed to the rollout cells) and ``waiting`` (the rest: runs still going, role
-switches) — each ≥ 0, summing to ``step_s`` unless training alone exceeds it.
+switches) — each ≥ 0. They sum to ``step_s`` unless training + syncing exceed it: in the
+elastic and streaming modes a step's first micro-batches train while the previous ``train()``
+call is still running (that time counts in ``training``, not in this call's ``step_s``), and
+waiting is then 0.
 """
 
 from __future__ import annotations
