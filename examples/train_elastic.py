@@ -106,18 +106,19 @@ def print_summary(s: dict, out: pathlib.Path) -> None:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    from ray_xlong.cli_args import int_at_least
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", default="elastic",
                    choices=["colocated", "async", "elastic", "colocated+streaming",
                             "async+streaming"])
     p.add_argument("--engine", default="vllm", choices=["hf", "vllm"])
-    p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--cells", type=int, default=CELLS, help="elastic cells")
-    p.add_argument("--staleness-bound", type=int, default=STALENESS_BOUND,
+    p.add_argument("--steps", type=int_at_least(1), default=25)
+    p.add_argument("--seed", type=int_at_least(0), default=1)
+    p.add_argument("--cells", type=int_at_least(1), default=CELLS, help="elastic cells")
+    p.add_argument("--staleness-bound", type=int_at_least(0), default=STALENESS_BOUND,
                    help="max policy versions between a run's start and its training step")
-    p.add_argument("--groups", type=int, default=16, help="task instances per step")
-    p.add_argument("--runs-per-group", type=int, default=8)
+    p.add_argument("--groups", type=int_at_least(1), default=16, help="task instances per step")
+    p.add_argument("--runs-per-group", type=int_at_least(1), default=8)
     p.add_argument("--chat", default="chatml_tiny",
                    choices=["chatml_tiny", "chatml", "llama3", "token"],
                    help="the policy's chat format: a ChatML template with Hermes tool calls "

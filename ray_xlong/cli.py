@@ -2,18 +2,22 @@
 
     ray-xlong synth    --out runs.jsonl [--paper] [--groups G --runs-per-group R]
     ray-xlong inspect  runs.jsonl [--run RUN] [--max-trajectories 5] [--tree-tokens 8]
+                       [--html OUT.html [--tokenizer DIR]]
     ray-xlong sim      [--preset paper-2.4t] [--seed 0] [--steps N] [--events-dir DIR]
     ray-xlong bench    [--backend sim|ray] [--modes ...] [--forecast] [--json PATH]
                        sim: [--preset paper-2.4t] [--steps N]   ray: [--size smoke|quick|full]
                        [--address auto] [--model-dir DIR] [--events-dir DIR]
     ray-xlong timeline events.jsonl [more.jsonl ...] --out timeline.png [--time-unit seconds]
-    ray-xlong train    [--mode elastic] [--engine vllm|hf] [--steps 25] [--seed 1] [--out DIR]
+    ray-xlong train    [--config FILE.yaml] [--set section.field=value ...] [--print-config]
+                       [--mode elastic] [--engine vllm|hf] [--steps 25] [--seed 1] [--out DIR]
+                       [--tracker wandb|mlflow ...]
 
 Files: runs are JSONL (schema in ``ray_xlong/trajectory/recording.py``); event logs are JSONL
 of ``ray_xlong.scheduling.events.Event`` (schema in ``ray_xlong/scheduling/events.py``; the
 simulator writes them in hours, the Ray driver — ``train --out``, ``bench --backend ray
 --events-dir`` — in wall seconds).
-Every command validates its input and says what to change when it cannot proceed.
+Every command validates its arguments before it starts Ray or builds a model (``cli_args.py``;
+exit status 2, the message names the argument) and says what to change when it cannot proceed.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import pathlib
 import sys
 import time
 from typing import Sequence
+
+from ray_xlong.cli_args import (existing_dir, existing_file, int_at_least, key_value,
+                                output_dir, output_file)
 
 
 class CliError(Exception):
@@ -63,6 +70,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"kept, {s.trajectories_dropped} dropped; tokens Σ {s.total_tokens:,} → unique "
           f"{s.unique_tokens:,} (dedup {s.dedup_ratio:.2f}×), trainable {s.trainable_tokens:,}; "
           f"timeouts {s.runs_timeout}, failed {s.runs_failed}")
+    if args.html:
+        from ray_xlong.viewer import write_page
+
+        write_page(args.html, runs, batch, title=pathlib.Path(args.runs).name,
+                   tokenizer=args.tokenizer)
+        print(f"wrote {args.html} (open it in a browser)")
     return 0
 
 
@@ -267,22 +280,60 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """RL on the lookup task on a local Ray (the README main job; see examples/)."""
+    from ray_xlong.train_config import dump, load_spec
+
+    spec = load_spec(args.config, sets=args.set or (), flags=_train_flags(args))
+    if args.groups is not None:     # groups × the effective runs per group; --set still wins
+        runs = {"training.train_batch_size_per_learner": args.groups * spec.xlong.runs_per_group}
+        spec = load_spec(sets=args.set or (), flags=runs, base=spec)
+    if args.print_config:
+        print(dump(spec), end="")
+        return 0
+    return _train(spec)
+
+
+def _train_flags(args: argparse.Namespace) -> dict:
+    """The train flags given on the command line, as ``section.field`` overrides."""
+    flags = {"xlong.mode": args.mode, "xlong.engine": args.engine, "run.steps": args.steps,
+             "run.seed": args.seed, "run.workdir": args.workdir, "run.out": args.out,
+             "xlong.runs_per_group": args.runs_per_group,
+             "run.trackers": tuple(args.tracker) if args.tracker else None}
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+def _train(spec) -> int:
+    from ray_xlong.rllib.trackers import TrackerSession, cli_trackers, tracker_callbacks
     from ray_xlong.rllib.train import HEADER, row, run_training
     from ray_xlong.scheduling.events import to_jsonl
     from ray_xlong.sim.timeline import plot_timelines
+    from ray_xlong.train_config import dump
 
     import ray
 
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(spec.run.out)
+    callbacks = tracker_callbacks(cli_trackers(spec.run.trackers), project=spec.run.project,
+                                  out_dir=out / "trackers")     # checked before Ray starts
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump(spec))
     print(HEADER, flush=True)
+    sessions: list = []               # Ray is up once the first result arrives
+
+    def track(result: dict) -> None:
+        if not sessions:
+            sessions.append(TrackerSession(callbacks, project=spec.run.project,
+                                           out_dir=out / "trackers", config=spec.as_dict()))
+        sessions[0].log(result)
+
     owned = not ray.is_initialized()          # the embedded Ray run_training starts goes after
+    failed = True
     try:
-        run = run_training(mode=args.mode, steps=args.steps, seed=args.seed,
-                           engine=args.engine, workdir=args.workdir, groups=args.groups,
-                           runs_per_group=args.runs_per_group,
-                           on_step=lambda r: print(row(r), flush=True))
+        run = run_training(mode=spec.xlong.mode, steps=spec.run.steps, seed=spec.run.seed,
+                           engine=spec.xlong.engine, workdir=spec.run.workdir, spec=spec,
+                           on_step=lambda r: print(row(r), flush=True), on_result=track)
+        failed = False
     finally:
+        for session in sessions:
+            session.close(failed=failed)
         if owned:
             ray.shutdown()
     (out / "events.jsonl").write_text(to_jsonl(run.events))
@@ -291,6 +342,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"reward {run.rewards[0]:.3f} -> {run.rewards[-1]:.3f}; cells up {run.startup_s:.0f}"
           f" s, training {run.train_s:.0f} s; wrote {out / 'timeline.png'} and "
           f"{out / 'events.jsonl'} (ray-xlong timeline ... --time-unit seconds)")
+    if sessions:
+        print(f"trackers ({', '.join(cli_trackers(spec.run.trackers))}): {out / 'trackers'}")
     return 0
 
 
@@ -313,27 +366,36 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("synth", help="write seeded synthetic agent runs as JSONL")
-    p.add_argument("--out", required=True, help="output .jsonl (or .jsonl.gz)")
+    p.add_argument("--out", required=True, type=output_file(".jsonl", ".jsonl.gz"),
+                   help="output .jsonl (or .jsonl.gz)")
     p.add_argument("--paper", action="store_true", help="paper scale: 636 calls, ~700k context")
-    p.add_argument("--groups", type=int, default=1)
-    p.add_argument("--runs-per-group", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--groups", type=int_at_least(1), default=1)
+    p.add_argument("--runs-per-group", type=int_at_least(1), default=1)
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.set_defaults(fn=cmd_synth)
 
     p = sub.add_parser("inspect", help="recorded runs → trajectories, trees, dedup stats")
-    p.add_argument("runs", help="runs JSONL written by ray_xlong (see recording.py)")
+    p.add_argument("runs", type=existing_file,
+                   help="runs JSONL written by ray_xlong (see recording.py)")
     p.add_argument("--run", action="append", help="only this run id (repeatable)")
-    p.add_argument("--max-trajectories", type=int, default=5, help="K kept per run")
-    p.add_argument("--tree-tokens", type=int, default=8, help="tokens shown per tree node")
+    p.add_argument("--max-trajectories", type=int_at_least(1), default=5, help="K kept per run")
+    p.add_argument("--tree-tokens", type=int_at_least(1), default=8,
+                   help="tokens shown per tree node")
+    p.add_argument("--html", type=output_file(".html"), default=None,
+                   help="also write a self-contained HTML viewer of the runs here")
+    p.add_argument("--tokenizer", type=existing_dir, default=None,
+                   help="HF tokenizer directory: the viewer shows decoded text, not ids")
     p.add_argument("--no-tree", action="store_true", help="skip the tree drawing")
     p.set_defaults(fn=cmd_inspect)
 
     p = sub.add_parser("sim", help="scheduler simulator: every mode on a preset")
     p.add_argument("--preset", default="paper-2.4t")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=None, help="override the preset's steps")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--steps", type=int_at_least(1), default=None,
+                   help="override the preset's steps")
     p.add_argument("--modes", nargs="*", default=None, help="subset of modes")
-    p.add_argument("--events-dir", default=None, help="write each mode's event log here")
+    p.add_argument("--events-dir", type=output_dir, default=None,
+                   help="write each mode's event log here")
     p.set_defaults(fn=cmd_sim)
 
     p = sub.add_parser(
@@ -347,9 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modes to run (default colocated async elastic; must include elastic)")
     p.add_argument("--forecast", action="store_true",
                    help="also run our forecast mode")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--preset", default=None, help="sim: preset (default paper-2.4t)")
-    p.add_argument("--steps", type=int, default=None, help="sim: override the preset's steps")
+    p.add_argument("--steps", type=int_at_least(1), default=None,
+                   help="sim: override the preset's steps")
     p.add_argument("--size", default=None, choices=["smoke", "quick", "full"],
                    help="ray: job size (default quick; smoke ~1 min on 2 CPUs)")
     p.add_argument("--address", default=None,
@@ -358,35 +421,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default=None,
                    help="ray: policy model (HF directory every node can read; default: a tiny "
                    "one built locally, fine on one machine)")
-    p.add_argument("--json", default=None, help="write the rows and settings as JSON here")
-    p.add_argument("--events-dir", default=None, help="write each mode's event log here")
+    p.add_argument("--json", type=output_file(".json"), default=None,
+                   help="write the rows and settings as JSON here")
+    p.add_argument("--events-dir", type=output_dir, default=None,
+                   help="write each mode's event log here")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("timeline", help="event log(s) → per-cell Gantt PNG")
-    p.add_argument("events", nargs="+", help="event log JSONL file(s), one panel each")
-    p.add_argument("--out", required=True, help="output PNG")
+    p.add_argument("events", nargs="+", type=existing_file,
+                   help="event log JSONL file(s), one panel each")
+    p.add_argument("--out", required=True, type=output_file(".png"), help="output PNG")
     p.add_argument("--title", default="")
     p.add_argument("--time-unit", default="hours", choices=["hours", "seconds"],
                    help="axis label: the simulator logs hours, the Ray driver wall seconds")
     p.set_defaults(fn=cmd_timeline)
 
-    p = sub.add_parser("train", help="RL on the lookup task on cells of a local Ray")
-    p.add_argument("--mode", default="elastic",
+    p = sub.add_parser("train", help="RL on the lookup task on cells of a local Ray",
+                       description="Settings: the recipe's defaults, then --config FILE, then "
+                       "the flags below, then --set (later wins); see examples/configs/.")
+    p.add_argument("--config", type=existing_file, default=None,
+                   help="YAML config file (sections run, training, xlong)")
+    p.add_argument("--set", action="append", type=key_value, metavar="SECTION.FIELD=VALUE",
+                   help="override one config field (value read as YAML; repeatable)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective config as YAML and exit (starts nothing)")
+    p.add_argument("--mode", default=None,
                    choices=["colocated", "async", "elastic", "colocated+streaming",
-                            "async+streaming"])
-    p.add_argument("--engine", default="vllm", choices=["hf", "vllm"])
-    p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--groups", type=int, default=16)
-    p.add_argument("--runs-per-group", type=int, default=8)
-    p.add_argument("--workdir", default=".cache/ray_xlong", help="model cache")
-    p.add_argument("--out", default="out/train", help="timeline PNG goes here")
+                            "async+streaming"], help="xlong.mode (default elastic)")
+    p.add_argument("--engine", default=None, choices=["hf", "vllm"],
+                   help="xlong.engine (default vllm)")
+    p.add_argument("--steps", type=int_at_least(1), default=None, help="run.steps (25)")
+    p.add_argument("--seed", type=int_at_least(0), default=None, help="run.seed (1)")
+    p.add_argument("--groups", type=int_at_least(1), default=None,
+                   help="groups per step (16): training.train_batch_size_per_learner = "
+                   "groups × runs per group")
+    p.add_argument("--runs-per-group", type=int_at_least(1), default=None,
+                   help="xlong.runs_per_group (8)")
+    p.add_argument("--workdir", type=output_dir, default=None,
+                   help="run.workdir: model cache (.cache/ray_xlong)")
+    p.add_argument("--out", type=output_dir, default=None,
+                   help="run.out: timeline PNG, events, config.yaml, trackers (out/train)")
+    p.add_argument("--tracker", action="append", choices=["wandb", "mlflow"],
+                   help="run.trackers: also log to W&B / MLflow (repeatable; TensorBoard "
+                   "files are always written)")
     p.set_defaults(fn=cmd_train)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:       # a bad argument: argparse printed usage + the message
+        if exc.code in (0, None):   # --help
+            raise
+        return int(exc.code)
     try:
         return args.fn(args)
     except CliError as exc:

@@ -119,7 +119,8 @@ def test_train_writes_the_driver_event_log_and_timeline_draws_it(tmp_path, capsy
     pytest.param(["bench", "--modes", "elastic", "turbo"], "unknown mode",
                  id="bench-unknown-mode"),
     pytest.param(["bench", "--size", "smoke"], "--backend ray", id="bench-size-on-sim"),
-    pytest.param(["bench", "--steps", "0"], "--steps must be >= 1", id="bench-zero-steps"),
+    pytest.param(["bench", "--steps", "0"], "argument --steps: must be an int >= 1",
+                 id="bench-zero-steps"),
     pytest.param(["bench", "--backend", "ray", "--steps", "2"], "--backend sim",
                  id="bench-steps-on-ray"),
 ])

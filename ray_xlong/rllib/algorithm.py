@@ -46,10 +46,9 @@ from ray.rllib.callbacks.utils import make_callback
 from ray.rllib.utils import force_list
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.debug import update_global_seed_if_necessary
-from ray.rllib.utils.metrics import (ENV_RUNNER_RESULTS, EPISODE_RETURN_MEAN,
-                                     NUM_ENV_STEPS_SAMPLED_LIFETIME, NUM_EPISODES)
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
+from ray_xlong.rllib import results as rx_results
 from ray_xlong.rllib.algorithm_config import XLongConfig
 from ray_xlong.rllib.stepping import StepReport, SteppingActuator
 
@@ -137,16 +136,31 @@ class XLongAlgorithm(Algorithm):
         return actuator
 
     def _log(self, report: StepReport) -> None:
+        """RLlib's standard keys (``results.py``) and the ``xlong/`` ones."""
         m = self.metrics
-        m.log_value((ENV_RUNNER_RESULTS, EPISODE_RETURN_MEAN), report.reward_mean, window=1)
-        m.log_value((ENV_RUNNER_RESULTS, NUM_EPISODES), report.runs, reduce="sum",
-                    clear_on_reduce=True)
-        m.log_value(NUM_ENV_STEPS_SAMPLED_LIFETIME, report.runs, reduce="sum")
+        learner = rx_results.learner_metrics(rx_results.collect_learner_stats(
+            self.actuator.group.learners, version=report.version - 1))
+        finish = self.actuator.stats.get("step_finish_s") or [0.0]
+        rx_results.log_step(m, report=report, learner=learner,
+                            agent=report.agent,
+                            times=rx_results.step_times(step_s=report.step_s, learner=learner,
+                                                        finish_s=finish[-1]))
         m.log_value((XLONG, "policy_version"), report.version, window=1)
         for name in STEP_METRICS[1:]:
             m.log_value((XLONG, name), getattr(report, name), window=1)
         for role, count in report.cells_by_role.items():
             m.log_value((XLONG, f"cells_{role}"), count, window=1)
+
+    def _compile_iteration_results(self, *, train_results, eval_results):
+        """RLlib's, plus the blocks its result checks expect (``results.complete``): cells
+        are the env runners of ``fault_tolerance``."""
+        out = super()._compile_iteration_results(train_results=train_results,
+                                                 eval_results=eval_results)
+        act = self.actuator
+        fault = rx_results.fault_tolerance(
+            cells=self.job.layout.cells, retired=len(act.retired) if act else 0,
+            recoveries=sum(f.get("kind") != "node_returned" for f in act.faults) if act else 0)
+        return rx_results.complete(out, fault=fault)
 
     def restore_env_runners(self, env_runner_group) -> list:
         """No RLlib EnvRunnerGroup to repair (a dead cell actor raises ``CellActorDied``)."""

@@ -29,6 +29,8 @@ the cell gives them CPU from its bundle (``cells.py``).
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from typing import Any, Mapping, Sequence
 
 import ray
@@ -38,7 +40,9 @@ from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 
 from ray_xlong.rllib.connector import packed_from_batch
+from ray_xlong.rllib.results import LearnerStepStats
 from ray_xlong.trajectory.loss import LossConfig, policy_loss
+from ray_xlong.trajectory.loss_stats import LossStats, loss_stats
 from ray_xlong.trajectory.model import token_logprobs
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -107,6 +111,8 @@ class XLongLearner(TorchLearner):
         self.asleep = False
         self.micro_batches = 0
         self.tokens = 0
+        self.step_stats: dict[int, LearnerStepStats] = {}   # by the version trained
+        self.last_loss_stats = LossStats()
 
     @property
     def lm(self) -> torch.nn.Module:
@@ -116,8 +122,10 @@ class XLongLearner(TorchLearner):
                                 batch: Mapping[str, Any], fwd_out: Any = None) -> torch.Tensor:
         """``Σ loss_scale · ℓ`` of one packed module batch (see ``trajectory.loss``)."""
         packed = packed_from_batch(batch)
-        loss, _ = policy_loss(token_logprobs(self.module[module_id].lm, packed), packed,
-                              self.settings.loss)
+        logprobs = token_logprobs(self.module[module_id].lm, packed)
+        loss, _ = policy_loss(logprobs, packed, self.settings.loss)
+        self.last_loss_stats = loss_stats(logprobs, packed, self.settings.loss,
+                                          loss=float(loss.detach()))
         return loss
 
     # -- the elastic step ----------------------------------------------------------------------
@@ -130,8 +138,10 @@ class XLongLearner(TorchLearner):
         if version is not None and version != self.version:
             raise RuntimeError(f"XLongLearner.accumulate: learner at version {self.version}, "
                                f"the step trains version {version} (reload its state first)")
+        start = time.perf_counter()
         loss = self.compute_loss_for_module(module_id=DEFAULT_MODULE_ID, batch=micro_batch)
         loss.backward()
+        self._note_step(loss=self.last_loss_stats, train_s=time.perf_counter() - start)
         n = int(micro_batch["target_ids"].numel())
         self.micro_batches += 1
         self.tokens += n
@@ -162,15 +172,21 @@ class XLongLearner(TorchLearner):
         if version != self.version + 1:
             raise RuntimeError(f"XLongLearner.apply_step: learner at version {self.version} "
                                f"cannot produce version {version} (reload its state first)")
+        start = time.perf_counter()
         for name, p in self.lm.named_parameters():
             g = grads[0][name].clone()
             for other in grads[1:]:
                 g += other[name]
             p.grad = g / total
+        params = list(self.lm.parameters())
         if self.settings.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.lm.parameters()), self.settings.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         self.get_optimizer().step()
         self.get_optimizer().zero_grad(set_to_none=True)
+        self._note_step(apply_s=time.perf_counter() - start, grad_norm=float(norm),
+                        total=float(total))
         self.version = version
         return version
 
@@ -208,6 +224,24 @@ class XLongLearner(TorchLearner):
         for p in self.lm.parameters():
             p.grad = None
         self.asleep = True
+
+    def _note_step(self, *, loss: LossStats = LossStats(), train_s: float = 0.0,
+                   apply_s: float = 0.0, grad_norm: float | None = None,
+                   total: float | None = None) -> None:
+        """Add to the :class:`LearnerStepStats` of the version being trained."""
+        old = self.step_stats.get(self.version) or LearnerStepStats(
+            self.version, LossStats(), 0.0, 0.0, math.nan, math.nan)
+        self.step_stats[self.version] = LearnerStepStats(
+            self.version, old.loss.merge(loss), old.train_s + train_s, old.apply_s + apply_s,
+            old.grad_norm if grad_norm is None else grad_norm,
+            old.total if total is None else total)
+
+    def take_step_stats(self, version: int) -> LearnerStepStats | None:
+        """What this learner did for the step that trained ``version`` (None if it took no
+        part); forgets it and anything older."""
+        out = self.step_stats.get(version)
+        self.step_stats = {v: s for v, s in self.step_stats.items() if v > version}
+        return out
 
     def xlong_metrics(self) -> dict[str, int]:
         """Micro-batches and target tokens trained so far, and the version."""

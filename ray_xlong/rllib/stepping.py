@@ -26,6 +26,7 @@ import ray
 
 from ray_xlong.rllib.actuator import RayActuator
 from ray_xlong.rllib.learner_group import ElasticLearnerGroup
+from ray_xlong.rollout.run_stats import AgentStepStats, RunStats, agent_step_stats, run_stats
 from ray_xlong.scheduling import Role
 
 
@@ -59,6 +60,8 @@ class StepReport:
     """Wall seconds of this ``advance`` call."""
     elapsed_s: float
     """Wall seconds since the job started."""
+    agent: AgentStepStats | None = None
+    """Agent statistics of the runs the step trained (``rollout.run_stats``)."""
 
 
 class _OffsetGroup(ElasticLearnerGroup):
@@ -82,6 +85,7 @@ class SteppingActuator(RayActuator):
         super().__init__(config, policy, pool)
         self.offset, self.state_ref, self.weights_ref = version, state_ref, weights_ref
         self.rewards: dict[str, float] = {}
+        self.run_stats: dict[str, RunStats] = {}
         self.per_step: dict[int, collections.Counter] = collections.defaultdict(
             collections.Counter)
 
@@ -116,6 +120,7 @@ class SteppingActuator(RayActuator):
     def _deliver(self, cell: int, results: list) -> None:
         for res in results:
             self.rewards[res.run.run_id] = float(res.run.reward)
+            self.run_stats[res.run.run_id] = run_stats(res)
         super()._deliver(cell, results)
 
     @property
@@ -138,6 +143,8 @@ class SteppingActuator(RayActuator):
     def _report(self, step: int, step_s: float) -> StepReport:
         run_ids = self.trained.get(step, [])
         rewards = [self.rewards.pop(r) for r in run_ids]
+        agent = agent_step_stats([self.run_stats.pop(r) for r in run_ids
+                                  if r in self.run_stats])
         s = self.per_step.pop(step, collections.Counter())
         roles = collections.Counter(r.value for r in self.m.role)
         return StepReport(
@@ -147,4 +154,5 @@ class SteppingActuator(RayActuator):
             total_tokens=s["total_tokens"], trajectories_kept=s["trajectories_kept"],
             trajectories_dropped=s["trajectories_dropped"], staleness_max=s["staleness_max"],
             cells_by_role={r.value: roles.get(r.value, 0) for r in Role},
-            gpu_busy_frac=self.result().gpu_busy_frac, step_s=step_s, elapsed_s=self.now())
+            gpu_busy_frac=self.result().gpu_busy_frac, step_s=step_s, elapsed_s=self.now(),
+            agent=agent)

@@ -84,7 +84,8 @@ def ensure_ray(cpus: int, gpus: int) -> None:
 def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Path,
                  engine: str = "hf", cells: int = 2, groups: int = 16, runs_per_group: int = 8,
                  staleness_bound: int = 1, warm=None, chat: str = "chatml_tiny",
-                 on_step: Callable[[StepReport], None] | None = None) -> TrainRun:
+                 on_step: Callable[[StepReport], None] | None = None, spec=None,
+                 on_result: Callable[[dict], None] | None = None) -> TrainRun:
     """Build (or reuse) the warm-started policy and run ``steps`` steps of ``mode``.
 
     Args:
@@ -102,6 +103,10 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
             the template path) | ``token`` (the demo model's own tokens) | ``chatml`` |
             ``llama3``.
         on_step: called with every step's report.
+        spec: a ``train_config.TrainSpec``: the algorithm config comes from it (mode, engine,
+            cells, groups and runs per group above are then ignored; its ``xlong.model_dir``,
+            when set, replaces the warm-started policy).
+        on_result: called with every ``algo.train()`` result (e.g. experiment trackers).
 
     Returns:
         :class:`TrainRun`.
@@ -110,19 +115,25 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
     from ray_xlong.rllib.task_job import warm_started_model_dir
 
     t0 = time.perf_counter()
-    model_dir = warm_started_model_dir(workdir, seed=seed, warm=warm, style=chat)
+    model_dir = (spec.xlong.model_dir if spec is not None and spec.xlong.model_dir
+                 else warm_started_model_dir(workdir, seed=seed, warm=warm, style=chat))
     t1 = time.perf_counter()
+    if spec is not None:
+        cells = spec.algorithm_config(model_dir=model_dir).num_cells
     ensure_ray(cpus=max(os.cpu_count() or 1, cells), gpus=cells)
-    config = (XLongConfig().debugging(seed=seed)
-              .training(train_batch_size_per_learner=groups * runs_per_group)
-              .xlong(mode=mode, cells=cells, runs_per_group=runs_per_group, engine=engine,
-                     model_dir=model_dir, staleness_bound=staleness_bound,
-                     placement_strategy="PACK", **_harness(chat)))
+    config = spec.algorithm_config(model_dir=model_dir) if spec is not None else (
+        XLongConfig().debugging(seed=seed)
+        .training(train_batch_size_per_learner=groups * runs_per_group)
+        .xlong(mode=mode, cells=cells, runs_per_group=runs_per_group, engine=engine,
+               model_dir=model_dir, staleness_bound=staleness_bound,
+               placement_strategy="PACK", **_harness(chat)))
     algo = config.build_algo()
     t2 = time.perf_counter()
     try:
         for _ in range(steps):
-            algo.train()
+            result = algo.train()
+            if on_result is not None:
+                on_result(result)
             if on_step is not None:
                 on_step(algo.reports[-1])
         events = tuple(algo.events())

@@ -153,6 +153,12 @@ class RunInfo:
     """Tool results cut to ``max_tool_output_tokens``."""
     template_rewrites: int = 0
     """Deltas taken while the chat template rewrote earlier turns (the context kept them)."""
+    turns: int = 0
+    """Main-agent outputs acted on (a tool call or the answer; retried outputs not counted)."""
+    tool_calls: int = 0
+    """Tool calls issued (subagent starts included), whether they succeeded or not."""
+    malformed: int = 0
+    """Model outputs that did not parse (retried, or answered with an error result)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -200,7 +206,8 @@ class _RunState:
         self.start = time.monotonic()
         self.generated = 0
         self.counts = dict(retries=0, engine_retries=0, compactions=0, subagents=0,
-                           tool_errors=0, tool_truncations=0, template_rewrites=0)
+                           tool_errors=0, tool_truncations=0, template_rewrites=0, turns=0,
+                           tool_calls=0, malformed=0)
 
     def record(self, agent: _Agent, kind: str, inp: np.ndarray, out: np.ndarray,
                result: GenerateResult, started: float) -> None:
@@ -300,6 +307,7 @@ class Harness:
             inp = agent.ctx.view()
             result, started = await self._generate(state, inp, self.config.max_new_tokens)
             action = agent.conv.parse(result.output_ids)
+            state.counts["malformed"] += isinstance(action, Malformed)
             if isinstance(action, Malformed) and retries < self.config.max_retries:
                 retries += 1
                 state.counts["retries"] += 1
@@ -309,6 +317,7 @@ class Harness:
             out = agent.ctx.append(result.output_ids)
             state.record(agent, agent.kind, inp, out, result, started)
             agent.conv.add_output(out, action)
+            state.counts["turns"] += agent.agent_id == "main"
             if isinstance(action, Answer):
                 return action.text
             texts = await self._act(state, env, agent, action)
@@ -326,6 +335,7 @@ class Harness:
     async def _call(self, state: _RunState, env: TaskEnv, agent: _Agent,
                     call: ToolCall) -> str:
         """The result text of one call: checked against its schema, then run under limits."""
+        state.counts["tool_calls"] += 1
         if call.name == "subagent" and agent.depth >= self.config.max_subagent_depth:
             state.counts["tool_errors"] += 1
             return "error: subagents may not start subagents here"

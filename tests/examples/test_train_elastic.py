@@ -27,6 +27,7 @@ def test_train_elastic_smoke_writes_table_timeline_and_summary(tmp_path):
     out = run(["examples/train_elastic.py", "--smoke", "--engine", "hf",
                "--workdir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")], tmp_path)
     assert "| step | reward |" in out.stdout and "| 2 |" in out.stdout   # per-step table
+    assert "DeprecationWarning" not in out.stderr, out.stderr[-3000:]  # RLlib's, once per step
     assert "elastic on hf engines" in out.stdout
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == 2 and len(summary["rewards"]) == 2
