@@ -30,7 +30,7 @@ STOP_KEYS = ("finished", *(f"timeout_{r}" for r in TIMEOUT_REASONS),
              *(f"failed_{r}" for r in FAILED_REASONS))
 """Stop-reason keys of :meth:`AgentStepStats.as_metrics` (``stop_<key>``: runs)."""
 COUNTERS = ("turns", "model_calls", "tool_calls", "tool_errors", "malformed", "retries",
-            "compactions", "subagents", "tokens")
+            "compactions", "subagents", "template_rewrites", "tokens")
 """Per-run counters summed and averaged per step (``<name>_mean`` / ``<name>_sum``)."""
 
 
@@ -57,6 +57,9 @@ class RunStats:
     """Summary calls (the context was replaced by a summary)."""
     subagents: int
     """Subagents started."""
+    template_rewrites: int
+    """Environment deltas taken while the chat template rewrote earlier turns (the context
+    kept what the model saw; the prefix tree branches where a later render differs)."""
     tokens: int
     """Tokens the model generated in the run."""
     wall_s: float
@@ -71,7 +74,7 @@ def run_stats(result: RunResult) -> RunStats:
                     tool_calls=info.tool_calls, tool_errors=info.tool_errors,
                     malformed=info.malformed, retries=info.retries,
                     compactions=info.compactions, subagents=info.subagents,
-                    tokens=run.num_tokens, wall_s=float(info.elapsed_s))
+                    template_rewrites=info.template_rewrites, tokens=run.num_tokens, wall_s=float(info.elapsed_s))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from tests.rollout.test_harness import CONFIG, branching_policy
 
 def stats(stop="finished", wall_s=1.0, **counts) -> RunStats:
     base = dict(turns=0, model_calls=0, tool_calls=0, tool_errors=0, malformed=0, retries=0,
-                compactions=0, subagents=0, tokens=0)
+                compactions=0, subagents=0, template_rewrites=0, tokens=0)
     return RunStats(stop=stop, wall_s=wall_s, **{**base, **counts})
 
 
@@ -52,12 +52,12 @@ def test_a_call_budget_timeout_and_tool_errors_are_counted(model_dir, chat):
 
 def test_step_summary_sums_means_stops_and_percentiles():
     runs = [stats(turns=2, tokens=10, wall_s=1.0), stats(turns=4, tokens=30, wall_s=3.0),
-            stats("timeout_wall_clock", turns=6, tool_errors=1, wall_s=2.0),
+            stats("timeout_wall_clock", turns=6, tool_errors=1, template_rewrites=2, wall_s=2.0),
             stats("failed_engine_error", wall_s=10.0)]
     m = agent_step_stats(runs).as_metrics()
     assert m["runs"] == 4 and m["turns_sum"] == 12 and m["turns_mean"] == 3.0
     assert m["tokens_sum"] == 40 and m["tokens_per_run"] == 10.0
-    assert m["tool_errors_sum"] == 1
+    assert m["tool_errors_sum"] == 1 and m["template_rewrites_sum"] == 2
     assert (m["stop_finished"], m["stop_timeout_wall_clock"],
             m["stop_failed_engine_error"]) == (2, 1, 1)
     assert sum(m[f"stop_{k}"] for k in STOP_KEYS) == 4
