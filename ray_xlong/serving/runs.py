@@ -79,6 +79,7 @@ class LiveRun:
     extended: int = 0
     rewrites: int = 0
     last_answer: str = ""
+    limits: RunLimits | None = None
 
 
 class RunRegistry:
@@ -90,8 +91,10 @@ class RunRegistry:
         self.draining = False
         self.ended = 0
 
-    def open(self, *, group_id: str, run_id: str | None = None) -> LiveRun:
-        """A new live run; raises :class:`Draining` or ValueError (a bad / live id)."""
+    def open(self, *, group_id: str, run_id: str | None = None,
+             limits: RunLimits | None = None) -> LiveRun:
+        """A new live run (``limits``: its own budgets, default the registry's); raises
+        :class:`Draining` or ValueError (a bad / live id)."""
         if self.draining:
             raise Draining("this cell is draining: it takes no new runs (live runs are still "
                            "served); open the run on another cell")
@@ -102,7 +105,7 @@ class RunRegistry:
             raise ValueError(f"run_id must be a non-empty string without '/', got {run_id!r}")
         if run_id in self.live:
             raise ValueError(f"run_id {run_id!r} is already live")
-        run = LiveRun(run_id, group_id, time.monotonic())
+        run = LiveRun(run_id, group_id, time.monotonic(), limits=limits or self.limits)
         self.live[run_id] = run
         return run
 
@@ -116,18 +119,19 @@ class RunRegistry:
 
     def admit(self, run: LiveRun) -> None:
         """Raise :class:`OverBudget` when the run may make no more calls."""
+        limits = run.limits or self.limits
         if run.over_budget is None:
-            if time.monotonic() - run.opened > self.limits.wall_clock_s:
-                run.over_budget = f"wall clock of {self.limits.wall_clock_s:g} s"
-            elif run.generated >= self.limits.max_run_tokens:
-                run.over_budget = f"token budget of {self.limits.max_run_tokens}"
+            if time.monotonic() - run.opened > limits.wall_clock_s:
+                run.over_budget = f"wall clock of {limits.wall_clock_s:g} s"
+            elif run.generated >= limits.max_run_tokens:
+                run.over_budget = f"token budget of {limits.max_run_tokens}"
         if run.over_budget is not None:
             raise OverBudget(f"run {run.run_id!r} is past its {run.over_budget}: no more model "
                              f"calls; end it (it ends 'timeout')")
 
     def max_tokens_left(self, run: LiveRun) -> int:
         """Tokens the run may still generate."""
-        return max(self.limits.max_run_tokens - run.generated, 0)
+        return max((run.limits or self.limits).max_run_tokens - run.generated, 0)
 
     def record(self, run: LiveRun, tag: AgentTag, prompt_ids: np.ndarray,
                result: GenerateResult, *, started: float) -> ModelCall:
@@ -144,6 +148,9 @@ class RunRegistry:
                          run_id=run.run_id)
         run.calls.append(call)
         run.generated += int(result.output_ids.size)
+        limit = (run.limits or self.limits).max_run_tokens
+        if run.generated >= limit and run.over_budget is None:
+            run.over_budget = f"token budget of {limit}"
         return call
 
     def check_parent(self, run: LiveRun, tag: AgentTag) -> None:
