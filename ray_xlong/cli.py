@@ -8,6 +8,7 @@
                        [--address auto] [--model-dir DIR] [--events-dir DIR]
     ray-xlong timeline events.jsonl [more.jsonl ...] --out timeline.png [--time-unit seconds]
     ray-xlong train    [--mode elastic] [--engine vllm|hf] [--steps 25] [--seed 1] [--out DIR]
+    ray-xlong serve    --model-dir DIR [--engine hf|vllm] [--host H] [--port P]
 
 Files: runs are JSONL (schema in ``ray_xlong/trajectory/recording.py``); event logs are JSONL
 of ``ray_xlong.scheduling.events.Event`` (schema in ``ray_xlong/scheduling/events.py``; the
@@ -308,6 +309,16 @@ def _progress(items: Sequence, desc: str):
     return tqdm(items, desc=desc, leave=False, file=sys.stderr)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Embedded Ray, one rollout cell and its OpenAI-compatible endpoint (Ctrl-C stops)."""
+    from ray_xlong.serving.cell import serve_forever
+
+    if not (pathlib.Path(args.model_dir) / "config.json").is_file():
+        raise CliError(f"--model-dir {args.model_dir!r} is not a HF model directory "
+                       f"(no config.json)")
+    return serve_forever(args.model_dir, engine=args.engine, host=args.host, port=args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ray-xlong", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -382,6 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=".cache/ray_xlong", help="model cache")
     p.add_argument("--out", default="out/train", help="timeline PNG goes here")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible endpoint on one rollout cell")
+    p.add_argument("--model-dir", required=True, help="HF model directory (chat template)")
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(fn=cmd_serve)
     return parser
 
 
