@@ -31,12 +31,14 @@ import json
 import math
 import os
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 from ray_xlong.rollout.harness import RunInfo, RunResult
 from ray_xlong.rollout.limits import bounded
-from ray_xlong.serving.app import Endpoint
 from ray_xlong.serving.runs import NoCallError, RunLimits
+
+if TYPE_CHECKING:                    # the endpoint pulls in FastAPI and vLLM's protocol models
+    from ray_xlong.serving.app import Endpoint
 
 AgentFn = Callable[[str, Any], Awaitable[None]]
 """``agent(base_url, task) -> None``."""
@@ -105,7 +107,7 @@ async def _subprocess(command: Sequence[str], base_url: str, task: Any) -> str:
     return out.decode("utf-8", "replace")
 
 
-async def run_agent(endpoint: Endpoint, spec: AgentTask, *, run_id: str,
+async def run_agent(endpoint: "Endpoint", spec: AgentTask, *, run_id: str,
                     group_id: str) -> RunResult:
     """One run of an external agent on ``endpoint`` (see module docstring); never raises for
     agent or scorer trouble. Raises ``Draining`` when the endpoint takes no new runs."""
