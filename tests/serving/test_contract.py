@@ -162,3 +162,20 @@ def test_an_edited_history_is_rendered_afresh_and_branches(serve, tmp_path):
     rec = read_recording(end_run(ep.url, "edit").text, tmp_path)
     batch = TrajectoryProcessor(ProcessorConfig(pack="none")).process([rec])
     assert len(rec.calls) == 3 and len(batch.trajectories) == 2
+
+
+def test_completions_with_token_ids_and_models(serve, fmt, tmp_path):
+    ep = serve()
+    run = open_run(ep.url, run_id="cmp")
+    client = openai.OpenAI(base_url=run["base_url"], api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    prompt = fmt.encode("<|im_start|>user\nWhat is key 3?<|im_end|>\n<|im_start|>assistant\n")
+    r = client.completions.create(model=MODEL, prompt=prompt.tolist(), max_tokens=64,
+                                  logprobs=1, extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.prompt_token_ids == prompt.tolist() and choice.text == fmt.decode(
+        np.asarray(choice.token_ids))
+    rec = read_recording(end_run(ep.url, "cmp").text, tmp_path)
+    assert rec.calls[0].input_ids.tolist() == prompt.tolist()
+    assert rec.calls[0].output_ids.tolist() == choice.token_ids
+    assert rec.calls[0].output_logprobs.tolist() == choice.logprobs.token_logprobs
