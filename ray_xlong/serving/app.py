@@ -17,8 +17,9 @@ Requests and responses are vLLM's protocol models (``responses.py``); prompts ar
 
 Bad input is an HTTP error in OpenAI's shape ``{"error": {"message", "type", "code"}}``:
 malformed JSON / schema failure / unsupported field / ``max_tokens`` past the context → 400;
-unknown model → 404; unknown or ended run → 404 naming it; a run past its budget → 409; new run
-on a draining cell → 503; more than ``max_queue`` generations in flight → 429 + ``Retry-After``;
+unknown model → 404; unknown or ended run → 404 naming it; a run past its budget → 409 (one
+nobody ends is reaped as ``timeout`` after twice its wall clock: ``RunRegistry.abandoned``);
+new run on a draining cell → 503; more than ``max_queue`` generations in flight → 429 + ``Retry-After``;
 a run that ends with no call → 422 (it is recorded ``failed``). A client that disconnects while
 its call generates cancels it: nothing is recorded.
 """
@@ -128,6 +129,7 @@ class Endpoint:
 
     async def _open(self, request: Request) -> dict:
         body = await _json(request)
+        self.runs.reap()
         try:
             run = self.runs.open(group_id=body.get("group_id"), run_id=body.get("run_id"))
         except Draining as exc:
@@ -171,6 +173,7 @@ class Endpoint:
         return {"draining": False, "live_runs": len(self.runs.live)}
 
     async def _health(self) -> dict:
+        self.runs.reap()
         return {"live_runs": len(self.runs.live), "draining": self.runs.draining,
                 "inflight": self.inflight, "policy_version": self.engine.policy_version}
 

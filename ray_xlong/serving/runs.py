@@ -90,6 +90,8 @@ class RunRegistry:
         self.live: dict[str, LiveRun] = {}
         self.draining = False
         self.ended = 0
+        self.abandoned: list[AgentRun] = []
+        """Runs ended by :meth:`reap` (nobody ended them), kept for whoever collects them."""
 
     def open(self, *, group_id: str, run_id: str | None = None,
              limits: RunLimits | None = None) -> LiveRun:
@@ -163,6 +165,19 @@ class RunRegistry:
         if tag.parent is not None and tag.parent not in {a for a, _ in run.parents}:
             raise ValueError(f"X-Xlong-Agent: parent {tag.parent!r} names no agent of run "
                              f"{run.run_id!r} that made a call")
+
+    def reap(self, *, grace: float = 2.0) -> list[str]:
+        """End runs nobody ended within ``grace`` × their wall clock: ``timeout`` (reward 0),
+        or ``failed`` without calls; kept in :attr:`abandoned`. Returns their ids."""
+        now, gone = time.monotonic(), []
+        for run in list(self.live.values()):
+            if now - run.opened > grace * (run.limits or self.limits).wall_clock_s:
+                try:
+                    self.abandoned.append(self.end(run.run_id, reward=0.0, status="timeout"))
+                except NoCallError as exc:
+                    self.abandoned.append(exc.run)   # type: ignore[attr-defined]
+                gone.append(run.run_id)
+        return gone
 
     def end(self, run_id: str, *, reward: float, status: str) -> AgentRun:
         """End a live run. Raises :class:`RunNotFound`; :class:`NoCallError` (the run is ended

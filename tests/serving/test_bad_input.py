@@ -145,3 +145,19 @@ def test_agent_header_kinds_and_bad_headers(serve, tmp_path):
     (run,) = read_runs(str(path))
     assert [(c.agent_id, c.kind, c.parent_agent_id) for c in run.calls] == [
         ("main", "main", None), ("helper", "subagent", "main"), ("main", "summary", None)]
+
+
+def test_a_run_nobody_ends_is_reaped_as_timeout_nothing_lost(serve):
+    from ray_xlong.serving.runs import RunLimits
+
+    ep = serve(limits=RunLimits(wall_clock_s=0.3))
+    base = open_run(ep.url, run_id="abandoned")["base_url"]
+    chat(base)
+    open_run(ep.url, run_id="never-called")
+    time.sleep(0.7)
+    assert httpx.get(f"{ep.url}/health").json()["live_runs"] == 0
+    reaped = {r.run_id: r for r in ep.endpoint.runs.abandoned}
+    assert reaped["abandoned"].status == "timeout" and len(reaped["abandoned"].calls) == 1
+    assert reaped["never-called"].status == "failed"
+    with pytest.raises(openai.NotFoundError, match="'abandoned'"):
+        chat(base)
