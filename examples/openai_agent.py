@@ -8,7 +8,7 @@ cell's endpoint, records every call token-exactly, scores the run and trains on 
     tiny ChatML model, warm-started on the tool format (look up *some* key, answer its value)
     for step in 1..N:
         G tasks × R runs:  run_agent(endpoint, AgentTask(task, scorer, agent=agent))   (HTTP)
-        recorded runs ──► TrajectoryProcessor (one trajectory per run, count-once, tree pack)
+        recorded runs ──► TrajectoryProcessor (one trajectory per run, count-once)
         ──► PPO/TIS step on the learner ──► new weights to the endpoint's engine (version += 1)
 
 Reward: 1 for the right value, 0.2 for looking the right key up but answering wrong. RL has to

@@ -19,9 +19,9 @@ Bad input is an HTTP error in OpenAI's shape ``{"error": {"message", "type", "co
 malformed JSON / schema failure / unsupported field / ``max_tokens`` past the context → 400;
 unknown model → 404; unknown or ended run → 404 naming it; a run past its budget → 409 (one
 nobody ends is reaped as ``timeout`` after twice its wall clock: ``RunRegistry.abandoned``);
-new run on a draining cell → 503; more than ``max_queue`` generations in flight → 429 + ``Retry-After``;
-a run that ends with no call → 422 (it is recorded ``failed``). A client that disconnects while
-its call generates cancels it: nothing is recorded.
+new run on a draining cell → 503; more than ``max_queue`` generations in flight → 429 +
+``Retry-After``; a run that ends with no call → 422 (it is recorded ``failed``). A client that
+disconnects while its call generates cancels it: nothing is recorded.
 """
 
 from __future__ import annotations
