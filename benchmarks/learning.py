@@ -34,13 +34,14 @@ def run(args: argparse.Namespace) -> dict:
             if args.smoke else None)
     out: dict = {"modes": {}, "steps": args.steps, "groups": args.groups,
                  "runs_per_group": args.runs_per_group, "engine": args.engine,
+                 "chat": args.chat,
                  "seeds": args.seeds}
     for mode in args.modes:
         per_seed = {}
         for seed in args.seeds:
             r = run_training(mode=mode, steps=args.steps, seed=seed, workdir=args.workdir,
                              engine=args.engine, groups=args.groups,
-                             runs_per_group=args.runs_per_group, warm=warm)
+                             runs_per_group=args.runs_per_group, warm=warm, chat=args.chat)
             per_seed[seed] = {"rewards": list(r.rewards), "seconds": r.train_s,
                               "startup_s": r.startup_s}
             print(f"{mode} seed {seed}: " + " ".join(f"{x:.2f}" for x in r.rewards)
@@ -85,6 +86,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=16)
     p.add_argument("--runs-per-group", type=int, default=8)
     p.add_argument("--engine", default="hf", choices=["hf", "vllm"])
+    p.add_argument("--chat", default="chatml_tiny",
+                   choices=["chatml_tiny", "chatml", "llama3", "token"],
+                   help="chat format of the policy (default: the template path)")
     p.add_argument("--workdir", default=None, help="model cache (default: a temp dir)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny budget: 2 steps of 2 groups × 2 runs, a 7-step warm start")

@@ -19,15 +19,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ray_xlong.models import build_tiny_model_dir, load_model, load_tokenizer  # noqa: E402
 from ray_xlong.rollout import (TokenFormat, HFEngine, Harness, HarnessConfig,  # noqa: E402
-                               ScriptedEngine)
+                               ScriptedEngine, ToolCall)
 from ray_xlong.rollout.tasks import CodeTask  # noqa: E402
 from ray_xlong.rollout.tasks.code import demonstration_calls  # noqa: E402
 from ray_xlong.trajectory import PrefixTree, assemble, select  # noqa: E402
 
 
 def demo_policy(chat, task):
-    steps = [chat.call_ids(name, args) for name, args in demonstration_calls(task)]
-    steps.append(chat.answer_ids("done"))
+    steps = [chat.turn_ids(calls=[ToolCall(name, args)])
+             for name, args in demonstration_calls(task)]
+    steps.append(chat.turn_ids(text="done"))
     return lambda ids: steps[min(chat.decode(ids).count("<|tool|>"), len(steps) - 1)]
 
 

@@ -3,10 +3,11 @@
     python examples/train_elastic.py                     # ~3-4 min on 2 CPU cores
     python examples/train_elastic.py --engine hf --steps 25 --out out/elastic
 
-One command: starts an embedded local Ray, builds a tiny model + tokenizer and warm-starts it on
-the task's format (cached under --workdir), runs elastic training on 2 cells (each cell hosts a
-vLLM engine runner and an RLlib Learner and switches role on its own), shows a progress bar and
-a per-step table, then writes a timeline PNG of the cells' roles and prints a summary.
+One command: starts an embedded local Ray, builds a tiny model + tokenizer (a ChatML chat
+template, Hermes ``<tool_call>`` JSON tool calls: the template path a user's own model takes)
+and warm-starts it on the task's format (cached under --workdir), runs elastic training on 2
+cells (each cell hosts a vLLM engine runner and an RLlib Learner and switches role on its
+own), shows a progress bar and a per-step table, then writes a timeline PNG of the cells' roles and prints a summary.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         warm = WarmStartConfig(clean_steps=5, noisy_steps=2, min_accuracy=0.0)  # plumbing only
     run = run_training(mode=args.mode, steps=args.steps, seed=args.seed, engine=args.engine,
                        workdir=args.workdir, groups=args.groups,
-                       runs_per_group=args.runs_per_group, warm=warm, on_step=on_step)
+                       runs_per_group=args.runs_per_group, warm=warm, chat=args.chat,
+                       on_step=on_step)
     bar.close()
     plot_timelines({f"{run.mode} ({run.engine})": run.events}, str(out / "timeline.png"),
                    title="cells by role (rollout / draining / training / syncing)",
@@ -94,6 +96,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--groups", type=int, default=16, help="task instances per step")
     p.add_argument("--runs-per-group", type=int, default=8)
+    p.add_argument("--chat", default="chatml_tiny",
+                   choices=["chatml_tiny", "chatml", "llama3", "token"],
+                   help="the policy's chat format: a ChatML template with Hermes tool calls "
+                        "(default), another template, or the demo model's own tokens")
     p.add_argument("--workdir", default=".cache/ray_xlong", help="model cache")
     p.add_argument("--out", default="out/train_elastic", help="timeline, summary, table")
     p.add_argument("--smoke", action="store_true",

@@ -85,6 +85,17 @@ LLAMA3_TEMPLATE = (
 )
 """Llama-3.1-style headers with JSON tool calls (see module docstring)."""
 
+CHATML_TINY_TEMPLATE = CHATML_TEMPLATE.replace(
+    "{%- if tools %}{{- '\\n\\n# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool with <tool_call>\\n{\"name\": <name>, \"arguments\": "
+    "<args>}\\n</tool_call>' }}{%- endif %}",
+    "{%- if tools %}{{- '\\nTools:' }}{%- for tool in tools %}"
+    "{{- ' ' + tool.function.name + '(' + (tool.function.parameters.properties | list | "
+    "join(', ')) + ')' }}{%- endfor %}{%- endif %}")
+"""The ChatML template of the tiny demo model: the same turns and Hermes tool calls, tools
+listed as ``Tools: lookup(key)`` (a short prompt keeps the CPU main job within its budget)."""
+
 CHATML_SPECIALS: tuple[str, ...] = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
     "<tool_response>", "</tool_response>",
@@ -101,6 +112,8 @@ LLAMA3_SPECIALS: tuple[str, ...] = (
 STYLES: dict[str, dict] = {
     "chatml": dict(specials=CHATML_SPECIALS, template=CHATML_TEMPLATE, bos=None,
                    eos="<|im_end|>", pad="<|endoftext|>", tool_parser="hermes"),
+    "chatml_tiny": dict(specials=CHATML_SPECIALS, template=CHATML_TINY_TEMPLATE, bos=None,
+                        eos="<|im_end|>", pad="<|endoftext|>", tool_parser="hermes"),
     "llama3": dict(specials=LLAMA3_SPECIALS, template=LLAMA3_TEMPLATE, bos="<|begin_of_text|>",
                    eos="<|eot_id|>", pad="<|finetune_right_pad_id|>", tool_parser="llama3_json"),
 }

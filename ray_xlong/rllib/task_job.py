@@ -75,7 +75,8 @@ class TaskJob:
         return None
 
 
-def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None) -> str:
+def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None,
+                           style: str = "token") -> str:
     """A tiny policy directory warm-started on the lookup format (built once per ``root``).
 
     Args:
@@ -83,6 +84,8 @@ def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None) ->
             same seed and warm-start config).
         seed: model weights and warm-start seed.
         warm: ``rollout.warm_start.WarmStartConfig`` (default: the local RL recipe).
+        style: tokenizer / chat style (``token``: the token format; ``chatml_tiny`` /
+            ``chatml`` / ``llama3``: the template format with the model's tool calls).
 
     Returns:
         The model directory ``root/policy-seed{seed}-{key}`` (HF and vLLM load it; the
@@ -93,10 +96,11 @@ def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None) ->
     """
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.rollout.chat import format_for_tokenizer
-    from ray_xlong.rollout.warm_start import WarmStartConfig, warm_start_policy
+    from ray_xlong.rollout.warm_start import WarmStartConfig, format_corpus, warm_start_policy
 
     warm = warm or WarmStartConfig()
-    path = pathlib.Path(root) / f"policy-seed{seed}-{warm_start_key(warm)}"
+    tag = "" if style == "token" else f"-{style}"
+    path = pathlib.Path(root) / f"policy-seed{seed}{tag}-{warm_start_key(warm)}"
     if (path / READY_MARKER).exists():
         return str(path)
     reports = []
@@ -105,7 +109,8 @@ def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None) ->
         reports.append(warm_start_policy(model, format_for_tokenizer(tokenizer), warm,
                                          seed=seed))
 
-    out = pathlib.Path(build_tiny_model_dir(path, seed=seed, train=train))
+    out = pathlib.Path(build_tiny_model_dir(path, seed=seed, train=train, style=style,
+                                            extra_texts=format_corpus(style)))
     report = dataclasses.asdict(reports[0])
     report["losses"] = [round(x, 5) for x in report["losses"]]
     (out / REPORT).write_text(json.dumps(report, indent=1) + "\n")

@@ -60,6 +60,17 @@ def row(report: StepReport) -> str:
             f"{report.gpu_busy_frac:.2f} | {report.step_s:.1f} |")
 
 
+def _harness(chat: str) -> dict:
+    """The recipe's run budgets; a template's JSON tool call takes ~20 tokens, not ~5, and the
+    template lists the tools in the prompt: no subagent tool (the warm start never saw one)."""
+    from ray_xlong.rllib.algorithm_config import RECIPE_HARNESS
+
+    if chat == "token":
+        return {}
+    return {"harness": dataclasses.replace(RECIPE_HARNESS, max_new_tokens=32,
+                                           max_subagent_depth=0)}
+
+
 def ensure_ray(cpus: int, gpus: int) -> None:
     """Start an embedded local Ray (temp dir under /tmp: Ray's socket paths are short)."""
     import ray
@@ -72,7 +83,7 @@ def ensure_ray(cpus: int, gpus: int) -> None:
 
 def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Path,
                  engine: str = "hf", cells: int = 2, groups: int = 16, runs_per_group: int = 8,
-                 staleness_bound: int = 1, warm=None,
+                 staleness_bound: int = 1, warm=None, chat: str = "chatml_tiny",
                  on_step: Callable[[StepReport], None] | None = None) -> TrainRun:
     """Build (or reuse) the warm-started policy and run ``steps`` steps of ``mode``.
 
@@ -87,6 +98,9 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
         runs_per_group: runs per instance.
         staleness_bound: scheduler staleness bound.
         warm: ``rollout.local_rl.WarmStartConfig`` (None: the recipe's).
+        chat: the policy's chat style: ``chatml_tiny`` (a ChatML template, Hermes tool calls:
+            the template path) | ``token`` (the demo model's own tokens) | ``chatml`` |
+            ``llama3``.
         on_step: called with every step's report.
 
     Returns:
@@ -96,14 +110,14 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
     from ray_xlong.rllib.task_job import warm_started_model_dir
 
     t0 = time.perf_counter()
-    model_dir = warm_started_model_dir(workdir, seed=seed, warm=warm)
+    model_dir = warm_started_model_dir(workdir, seed=seed, warm=warm, style=chat)
     t1 = time.perf_counter()
     ensure_ray(cpus=max(os.cpu_count() or 1, cells), gpus=cells)
     config = (XLongConfig().debugging(seed=seed)
               .training(train_batch_size_per_learner=groups * runs_per_group)
               .xlong(mode=mode, cells=cells, runs_per_group=runs_per_group, engine=engine,
                      model_dir=model_dir, staleness_bound=staleness_bound,
-                     placement_strategy="PACK"))
+                     placement_strategy="PACK", **_harness(chat)))
     algo = config.build_algo()
     t2 = time.perf_counter()
     try:

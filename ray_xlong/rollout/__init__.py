@@ -21,7 +21,8 @@ from ray_xlong.rollout.hf_engine import HFEngine
 from ray_xlong.rollout.scripted import ScriptedEngine, ScriptedPolicy
 from ray_xlong.rollout.token_format import TokenFormat
 
-__all__ = ["Answer", "BatchingEngine", "ChatFormat", "ChatFormatError", "Context", "ContextFull", "Engine",
+__all__ = ["Answer", "BatchingEngine", "ChatFormat", "ChatFormatError", "Context", "ContextFull",
+           "Engine",
            "EngineError", "EngineStats", "GenerateResult", "HFEngine", "Harness",
            "HarnessConfig", "Malformed", "RunInfo", "RunResult", "SamplingConfig",
            "ScriptedEngine", "ScriptedPolicy", "TokenFormat", "ToolCall", "ToolCalls",

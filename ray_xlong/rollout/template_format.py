@@ -3,10 +3,10 @@
 The context is a buffer of ids. The model's output ids go in exactly as sampled (never decoded
 and re-encoded); only environment messages are rendered, as the *delta* the template adds::
 
-    prefix = render(messages)                       ... <|im_start|>assistant\\n<tool_call>…<|im_end|>\\n
-    full   = render(messages + new, gen=True)       ... <|im_start|>assistant\\n<tool_call>…<|im_end|>\\n
-                                                        <|im_start|>user\\n<tool_response>…<|im_end|>\\n
-                                                        <|im_start|>assistant\\n
+    prefix = render(messages)                  … <|im_start|>assistant\\n<tool_call>…<|im_end|>\\n
+    full   = render(messages + new, gen=True)  … <|im_start|>assistant\\n<tool_call>…<|im_end|>\\n
+                                                 <|im_start|>user\\n<tool_response>…<|im_end|>\\n
+                                                 <|im_start|>assistant\\n
     cut    = just after the last assistant turn's end-of-turn token in prefix   (the model stopped
              there: the separator "\\n" the template puts after it belongs to the delta)
     delta  = encode(full[cut:])    when full[:cut] == prefix[:cut] (the template is append-only)

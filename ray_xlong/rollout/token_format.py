@@ -1,4 +1,4 @@
-"""The token format of the tiny demo model: prompts, tool calls and results in its own special tokens.
+"""The token format of the tiny demo model: prompts, calls and results in its own special tokens.
 
 For the locally built tokenizer of ``models/tokenizer.py`` (12 specials at ids 0-11), not for
 a user's model (that is the template format, ``template_format.py``).

@@ -61,7 +61,11 @@ class VLLMEngine(BatchingEngine):
         self.model_dir = pathlib.Path(model_dir)
         self._args = dict(model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype,
                           enable_prefix_caching=True, max_model_len=max_model_len, seed=seed,
-                          enforce_eager=True)
+                          enforce_eager=True,
+                          # a batch of many template prompts passes vLLM's default 4096-token
+                          # step budget; its chunked-prefill step then failed on CPU (engine
+                          # hung, seen with 128 × 77-token ChatML prompts): prefill them whole
+                          max_num_batched_tokens=max(16384, max_model_len))
         self.llm = None
         self._sleep_mode = False
         self._latest: Mapping[str, torch.Tensor] | None = None

@@ -13,7 +13,8 @@ model's tokens form two segments::
 
     [call] lo oku p Ġ3 [end]   [tool] 47 [end] [assistant]   [answer] 4 7 [end]
     └──────── call ───────┘                                  └──── answer ────┘
-                ▲ key: the call's last token before [end]
+                ▲ key: the call's last number token (before [end]; in a ChatML template's
+                  JSON call ``<tool_call>{"name": "lookup", "arguments": {"key": 3}}…`` the Ġ3)
 
     clean accuracy   share of clean demos with every call and answer token right (the key is
                      copied from the prompt, the value from the tool result)
@@ -137,12 +138,23 @@ def score_format(model: torch.nn.Module, chat: ChatFormat, *, count: int, right_
     """Teacher-forced :class:`FormatScore` on ``count`` fresh lookup demonstrations."""
     demos = noisy_demonstrations(chat, count=count, right_key_rate=right_key_rate, seed=seed)
     full, answer, key_prob = [], [], []
-    for (_, mask), tf in zip(demos, teacher_forced(model, demos)):
+    for (ids, mask), tf in zip(demos, teacher_forced(model, demos)):
         call, ans = _segments(mask)
         full.append(bool(tf.hit.all()))
         answer.append(bool(tf.hit[ans].all()))
-        key_prob.append(float(tf.prob[call[-2]]))
+        key_prob.append(float(tf.prob[call[_key_index(chat, ids, mask, call)]]))
     return FormatScore(float(np.mean(full)), float(np.mean(answer)), float(np.mean(key_prob)))
+
+
+def _key_index(chat: ChatFormat, ids: np.ndarray, mask: np.ndarray, call: np.ndarray) -> int:
+    """Index into ``call`` of the key token: the call's last token that is a number (``Ġ3``
+    before ``[end]`` in the token format; ``Ġ3`` before ``}}`` in a JSON tool call)."""
+    positions = np.flatnonzero(np.asarray(mask, bool)[1:]) + 1
+    digits = [i for i, t in enumerate(ids[positions[call]])
+              if chat.decode(np.asarray([t])).strip().isdigit()]
+    if not digits:
+        raise ValueError("warm start: a lookup demonstration's call holds no key token")
+    return digits[-1]
 
 
 def _segments(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -152,6 +164,19 @@ def _segments(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if len(runs) != 2:
         raise ValueError(f"warm start: a lookup demonstration has 2 model turns, got {len(runs)}")
     return runs[0], runs[1]
+
+
+def format_corpus(style: str, *, count: int = 32, seed: int = 0) -> list[str]:
+    """Rendered lookup demonstrations in tokenizer style ``style`` (extra tokenizer training
+    text, so that the template's and the tool calls' text gets short tokens); [] for ``token``."""
+    if style == "token":
+        return []
+    from ray_xlong.models.tokenizer import build_tokenizer
+    from ray_xlong.rollout.template_format import TemplateFormat
+
+    fmt = TemplateFormat(build_tokenizer(style=style))
+    demos = noisy_demonstrations(fmt, count=count, right_key_rate=0.5, seed=seed)
+    return [fmt.decode(ids) for ids, _ in demos]
 
 
 def warm_start_policy(model: torch.nn.Module, chat: ChatFormat, config: WarmStartConfig, *,

@@ -11,8 +11,21 @@ depends on the attention implementation:
 * ``xlong_tree`` (``tree_attention.py``, any device): no mask at all; a plan of segments makes
   attention skip the pairs a dense mask would compute and hide (the CPU training path).
 
-Logits are computed only at source positions: the decoder's hidden states are gathered at
-``target_src`` before the output projection, so memory is ``T × V``, not ``R × L × V``.
+Logits are the model's own: the whole ``model(...)`` forward runs (its head *and* its logit
+post-processing: Gemma-2's final soft-capping, Cohere's ``logit_scale``, Granite's
+``logits_scaling``, ...), with a pre-hook on the output embedding that gathers the hidden
+states at ``target_src`` first, so memory is ``T × V``, not ``R × L × V``.
+
+Position-dependent attention in the tree layout counts along the trajectory (position = depth):
+
+* sliding windows (Mistral, Qwen2 ``use_sliding_window``, Gemma-2/3, Cohere-2, Starcoder2, ...):
+  the dense tree mask also requires ``depth(q) - depth(k) < window``; models with per-layer
+  ``layer_types`` get a ``{"full_attention": m, "sliding_attention": m_window}`` mask dict;
+* ``xlong_tree`` attention has no window and no attention-logit soft-capping: such a model is
+  refused (:class:`TreeLayoutUnsupported`, naming the variant and the way out: ``sdpa`` /
+  ``eager`` attention, or ``pack="per_trajectory"``), as is any other layer type (chunked,
+  linear attention) in the tree layout. The per-trajectory layout is a plain right-padded batch:
+  every variant is exact there.
 """
 
 from __future__ import annotations
@@ -20,7 +33,44 @@ from __future__ import annotations
 import torch
 
 from ray_xlong.trajectory.packing import PackedBatch
-from ray_xlong.trajectory.tree_attention import ATTN_IMPLEMENTATION, tree_plan
+from ray_xlong.trajectory.tree_attention import (ATTN_IMPLEMENTATION, TreeLayoutUnsupported,
+                                                 tree_plan)
+
+_TREE_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_variant(config) -> tuple[tuple[str, ...], int | None]:
+    """``(layer types used, sliding window)`` of a HF config (window None: no sliding layers)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        types = tuple(dict.fromkeys(layer_types))
+        return types, (window if "sliding_attention" in types else None)
+    return (("sliding_attention",) if window else ("full_attention",)), window or None
+
+
+def check_tree_support(model: torch.nn.Module) -> None:
+    """Raise :class:`TreeLayoutUnsupported` when the tree layout cannot be exact for ``model``."""
+    config = model.config
+    arch = type(model).__name__
+    types, window = attention_variant(config)
+    other = [t for t in types if t not in _TREE_LAYER_TYPES]
+    if other:
+        raise TreeLayoutUnsupported(
+            f"{arch}: layer type(s) {other} are not supported in the tree layout; use "
+            f"pack='per_trajectory'")
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl != ATTN_IMPLEMENTATION:
+        return
+    if window is not None:
+        raise TreeLayoutUnsupported(
+            f"{arch}: sliding-window attention (window {window}) is not implemented by "
+            f"attn_implementation='xlong_tree'; use 'sdpa' or 'eager' (dense tree mask, window "
+            f"counted by depth) or pack='per_trajectory'")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise TreeLayoutUnsupported(
+            f"{arch}: attention-logit soft-capping is not implemented by "
+            f"attn_implementation='xlong_tree'; use 'eager' or pack='per_trajectory'")
 
 
 def tree_mask_bool(kv_end: torch.Tensor) -> torch.Tensor:
@@ -35,11 +85,15 @@ def tree_mask_bool(kv_end: torch.Tensor) -> torch.Tensor:
     return ((k <= q) & (q < kv_end.unsqueeze(1))).unsqueeze(1)
 
 
-def tree_mask(kv_end: torch.Tensor, *, attn_implementation: str, dtype: torch.dtype):
-    """The 4D mask for ``attn_implementation`` (``eager`` | ``sdpa`` | ``flex_attention``)."""
+def tree_mask(kv_end: torch.Tensor, *, attn_implementation: str, dtype: torch.dtype,
+              depth: torch.Tensor | None = None, window: int | None = None):
+    """The 4D mask for ``attn_implementation`` (``eager`` | ``sdpa`` | ``flex_attention``);
+    with ``window``, also ``depth[q] - depth[k] < window`` (``depth``: ``[R, L]`` positions)."""
     if attn_implementation == "flex_attention":
-        return tree_block_mask(kv_end)
+        return tree_block_mask(kv_end, depth=depth, window=window)
     allowed = tree_mask_bool(kv_end)
+    if window is not None:
+        allowed = allowed & ((depth.unsqueeze(2) - depth.unsqueeze(1)) < window).unsqueeze(1)
     if attn_implementation == "sdpa":
         return allowed
     if attn_implementation == "eager":
@@ -48,12 +102,16 @@ def tree_mask(kv_end: torch.Tensor, *, attn_implementation: str, dtype: torch.dt
     raise ValueError(f"tree_mask: unsupported attn_implementation {attn_implementation!r}")
 
 
-def tree_block_mask(kv_end: torch.Tensor):
+def tree_block_mask(kv_end: torch.Tensor, *, depth: torch.Tensor | None = None,
+                    window: int | None = None):
     """A flex-attention ``BlockMask`` for the tree rule (GPU path; no dense L × L tensor)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx < kv_end[b, kv_idx])
+        keep = (kv_idx <= q_idx) & (q_idx < kv_end[b, kv_idx])
+        if window is not None:
+            keep = keep & (depth[b, q_idx] - depth[b, kv_idx] < window)
+        return keep
 
     rows, length = kv_end.shape
     return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=length, KV_LEN=length,
@@ -66,15 +124,26 @@ def attention_inputs(model: torch.nn.Module, batch: PackedBatch, *, device=None)
     mask = batch.attention_mask.to(device)
     extra = {}
     if batch.layout == "tree":
+        check_tree_support(model)
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         if impl == ATTN_IMPLEMENTATION:
             extra["tree_plan"] = tree_plan(mask, batch.valid)
             mask = mask[:, None, None, :]          # 4D: HF passes it through untouched
         else:
-            mask = tree_mask(mask, attn_implementation=impl,
-                             dtype=next(model.parameters()).dtype)
+            mask = _tree_masks(model, mask, batch.position_ids.to(device), impl)
     return dict(input_ids=batch.input_ids.to(device), attention_mask=mask,
                 position_ids=batch.position_ids.to(device), **extra)
+
+
+def _tree_masks(model: torch.nn.Module, kv_end: torch.Tensor, depth: torch.Tensor, impl: str):
+    """One tree mask, or a dict by layer type when the model has per-layer types."""
+    dtype = next(model.parameters()).dtype
+    types, window = attention_variant(model.config)
+    masks = {t: tree_mask(kv_end, attn_implementation=impl, dtype=dtype, depth=depth,
+                          window=window if t == "sliding_attention" else None) for t in types}
+    if getattr(model.config, "layer_types", None):
+        return masks
+    return next(iter(masks.values()))
 
 
 def token_logprobs(model: torch.nn.Module, batch: PackedBatch, *,
@@ -82,18 +151,30 @@ def token_logprobs(model: torch.nn.Module, batch: PackedBatch, *,
     """Logprob of every target under ``model`` (differentiable).
 
     Args:
-        model: a HF causal LM (``get_decoder()`` and ``get_output_embeddings()``).
+        model: a HF causal LM (``get_output_embeddings()``; its own forward makes the logits).
         batch: a packed batch, either layout.
         temperature: the sampling temperature the engine used (logits are divided by it).
 
     Returns:
         ``[T]`` logprobs, in the batch's canonical target order (the same in both layouts).
     """
-    hidden = model.get_decoder()(**attention_inputs(model, batch),
-                                 use_cache=False).last_hidden_state
-    device = hidden.device
-    picked = hidden[batch.target_row.to(device), batch.target_src.to(device)]
-    logits = model.get_output_embeddings()(picked)
+    inputs = attention_inputs(model, batch)
+    device = inputs["input_ids"].device
+    rows, src = batch.target_row.to(device), batch.target_src.to(device)
+
+    def gather(module, args):
+        return (args[0][rows, src].unsqueeze(0),) + tuple(args[1:])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(gather)
+    try:
+        logits = model(**inputs, use_cache=False).logits
+    finally:
+        handle.remove()
+    if logits.shape[:2] != (1, rows.numel()):
+        raise TreeLayoutUnsupported(f"{type(model).__name__}: its forward does not apply the "
+                                    f"output embedding module to the hidden states (logits "
+                                    f"{tuple(logits.shape)}); token_logprobs cannot read them")
+    logits = logits[0]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if temperature != 1.0:

@@ -47,6 +47,11 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+class TreeLayoutUnsupported(ValueError):
+    """The tree layout cannot be exact for the model's attention variant (message: the variant
+    and the way out)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TreeSegment:
     """Queries ``[start, stop)`` of ``row`` attend to ``keys`` (ancestors, then themselves)."""
@@ -246,6 +251,12 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if tree_plan is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if isinstance(attention_mask, torch.Tensor) and not attention_mask.is_floating_point() \
+                and attention_mask.dtype != torch.bool:
+            raise TreeLayoutUnsupported(
+                f"{type(module).__name__}: this architecture's attention does not pass the tree "
+                f"plan through to attn_implementation='xlong_tree'; use 'sdpa' / 'eager' or "
+                f"pack='per_trajectory'")
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     dropout = dropout if module.training else 0.0

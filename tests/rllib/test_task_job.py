@@ -39,3 +39,16 @@ def test_failed_warm_start_is_not_cached(tmp_path):
     with pytest.raises(WarmStartFailed, match="seed 0"):
         warm_started_model_dir(tmp_path, seed=0, warm=failing)
     assert not list(tmp_path.glob(f"*/{READY_MARKER}"))
+
+
+def test_template_policy_has_its_own_cache_entry_and_chat_format(tmp_path):
+    from ray_xlong.rollout.chat import load_chat_format
+    from ray_xlong.rollout.template_format import TemplateFormat
+
+    token = warm_started_model_dir(tmp_path, seed=0, warm=TINY)
+    chatml = pathlib.Path(warm_started_model_dir(tmp_path, seed=0, warm=TINY,
+                                                 style="chatml_tiny"))
+    assert str(chatml) != token and chatml.name.startswith("policy-seed0-chatml_tiny-")
+    fmt = load_chat_format(chatml)
+    assert isinstance(fmt, TemplateFormat) and fmt.parser.name == "hermes"
+    assert json.loads((chatml / "xlong_chat.json").read_text())["format"] == "template"
