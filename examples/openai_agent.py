@@ -5,7 +5,8 @@ gets an OpenAI base URL and a task, owns its tools (``lookup`` in a hidden table
 sums it does not need here), and answers with text. ray_xlong gives each run a base URL on the
 cell's endpoint, records every call token-exactly, scores the run and trains on it::
 
-    tiny ChatML model, warm-started on the tool format (look up *some* key, answer its value)
+    tiny ChatML model (chatml_tiny), warm-started on the tool format (look up *some* key,
+    answer its value)
     for step in 1..N:
         G tasks × R runs:  run_agent(endpoint, AgentTask(task, scorer, agent=agent))   (HTTP)
         recorded runs ──► TrajectoryProcessor (one trajectory per run, count-once)
@@ -28,7 +29,6 @@ import asyncio
 import json
 import pathlib
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -86,22 +86,19 @@ def make_task(seed: int, model: str) -> dict:
     return {"key": t.key, "table": dict(t.table), "model": model, "looked_up": []}
 
 
-def build(seed: int, workdir: pathlib.Path, *, clean_steps: int, noisy_steps: int):
-    """Warm-started tiny ChatML model dir, the learner, and a threaded endpoint on an HF engine."""
+def build(seed: int, workdir: pathlib.Path):
+    """The warm-started tiny ChatML policy (``task_job.warm_started_model_dir``, cached), the
+    learner, and a threaded endpoint on an HF engine of the same weights."""
     import torch
 
-    from ray_xlong.models import build_tiny_model_dir, load_model
-    from ray_xlong.rollout.chat import format_for_tokenizer
-    from ray_xlong.rollout.warm_start import WarmStartConfig, warm_start_policy
+    from ray_xlong.models import load_model
+    from ray_xlong.rllib.task_job import warm_started_model_dir
+    from ray_xlong.rollout.tasks.lookup import LookupTask
     from ray_xlong.serving.server import ThreadedEndpoint, build_endpoint
 
+    assert list(LookupTask(0).tools) == TOOLS, "the agent's tools are the warm start's"
     torch.manual_seed(seed)
-    warm = WarmStartConfig(clean_steps=clean_steps, noisy_steps=noisy_steps,
-                           min_accuracy=0.0 if clean_steps < 100 else 0.9)
-
-    def train(model, tokenizer):
-        warm_start_policy(model, format_for_tokenizer(tokenizer), warm, seed=seed)
-    model_dir = build_tiny_model_dir(workdir / "policy", seed=seed, style="chatml", train=train)
+    model_dir = pathlib.Path(warm_started_model_dir(workdir, seed=seed, style="chatml_tiny"))
     learner = load_model(model_dir)
     hosted = ThreadedEndpoint(lambda: build_endpoint(model_dir, engine="hf", seed=seed,
                                                      max_batch_size=256))
@@ -127,8 +124,7 @@ def main(argv=None) -> int:
     parser.add_argument("--runs-per-group", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--clean-steps", type=int, default=200)
-    parser.add_argument("--noisy-steps", type=int, default=60)
+    parser.add_argument("--workdir", default=".cache/ray_xlong", help="warm-start cache")
     parser.add_argument("--json", default=None, help="write the reward curve here")
     args = parser.parse_args(argv)
     import torch
@@ -138,9 +134,7 @@ def main(argv=None) -> int:
     from ray_xlong.trajectory.packing import micro_batches
 
     t0 = time.perf_counter()
-    workdir = pathlib.Path(tempfile.mkdtemp(prefix="openai_agent_"))
-    model_dir, learner, hosted = build(args.seed, workdir, clean_steps=args.clean_steps,
-                                       noisy_steps=args.noisy_steps)
+    model_dir, learner, hosted = build(args.seed, pathlib.Path(args.workdir))
     name = model_dir.name
     opt = torch.optim.AdamW(learner.parameters(), lr=args.lr, weight_decay=0.0)
     processor = TrajectoryProcessor(ProcessorConfig(pack="per_trajectory"))
