@@ -61,7 +61,7 @@ def test_an_agent_that_never_ends_times_out_and_is_scored(serve):
     async def hang(base_url, task):
         await tool_agent(base_url, {"question": "q", "turns": 1})
         await asyncio.sleep(3600)
-    spec = AgentTask({}, lambda task, o: 0.25, agent=hang, limits=RunLimits(wall_clock_s=0.5))
+    spec = AgentTask({}, lambda task, o: 0.25, agent=hang, limits=RunLimits(wall_clock_s=2.0))
     result = run(serve(), spec)
     assert (result.run.status, result.info.stop_reason, result.run.reward) == (
         "timeout", "wall_clock", 0.25)
