@@ -17,6 +17,9 @@ learn to copy the asked key into the call (see ``rollout/tasks/lookup.py``).
 
     python examples/openai_agent.py [--steps 30] [--groups 8] [--runs-per-group 8] [--seed 1]
 
+Measured (``--steps 30 --groups 4 --runs-per-group 8 --seed 1``, 2 shared cores): mean reward
+of the first 3 steps 0.287 → last 3 steps 0.731 (+0.444), one trajectory per run, 0 failed.
+
 This loop is local (one process: learner, HF engine, endpoint); on cells, register the task
 with ``ray_xlong.serving.agents.register_agent_task`` and the runners start it like a built-in
 task through their own endpoint.
