@@ -11,6 +11,7 @@
     ray-xlong train    [--config FILE.yaml] [--set section.field=value ...] [--print-config]
                        [--mode elastic] [--engine vllm|hf] [--steps 25] [--seed 1] [--out DIR]
                        [--tracker wandb|mlflow ...]
+    ray-xlong serve    --model-dir DIR [--engine hf|vllm] [--host H] [--port P]
 
 Files: runs are JSONL (schema in ``ray_xlong/trajectory/recording.py``); event logs are JSONL
 of ``ray_xlong.scheduling.events.Event`` (schema in ``ray_xlong/scheduling/events.py``; the
@@ -29,7 +30,7 @@ import time
 from typing import Sequence
 
 from ray_xlong.cli_args import (existing_dir, existing_file, int_at_least, key_value,
-                                output_dir, output_file)
+                                output_dir, output_file, port_number)
 
 
 class CliError(Exception):
@@ -361,6 +362,16 @@ def _progress(items: Sequence, desc: str):
     return tqdm(items, desc=desc, leave=False, file=sys.stderr)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Embedded Ray, one rollout cell and its OpenAI-compatible endpoint (Ctrl-C stops)."""
+    from ray_xlong.serving.cell import serve_forever
+
+    if not (pathlib.Path(args.model_dir) / "config.json").is_file():
+        raise CliError(f"--model-dir {args.model_dir!r} is not a HF model directory "
+                       f"(no config.json)")
+    return serve_forever(args.model_dir, engine=args.engine, host=args.host, port=args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ray-xlong", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -465,6 +476,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run.trackers: also log to W&B / MLflow (repeatable; TensorBoard "
                    "files are always written)")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible endpoint on one rollout cell")
+    p.add_argument("--model-dir", required=True, type=existing_dir,
+                   help="HF model directory (chat template)")
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port_number, default=8000, help="0: any free port")
+    p.set_defaults(fn=cmd_serve)
     return parser
 
 

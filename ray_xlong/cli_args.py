@@ -27,6 +27,14 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def port_number(text: str) -> int:
+    """A TCP port: an int in 0..65535 (0: the system picks a free one)."""
+    port = int_at_least(0)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0..65535), got {text!r}")
+    return port
+
+
 def existing_file(text: str) -> str:
     """A path to an existing file."""
     if not pathlib.Path(text).is_file():

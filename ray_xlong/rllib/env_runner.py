@@ -13,6 +13,8 @@ one asyncio loop in a background thread; the actor's methods are synchronous::
     sleep() / wake_up()                                        lend the engine's memory; only
                                                                 when no run is live
     set_weights(state_dict, version)                           applied between engine batches
+    endpoint_url()                                             the cell's OpenAI-compatible
+                                                                endpoint (ray_xlong.serving)
     get_metrics() / get_state() / set_state() / stop()
 
 Configuration: a :class:`RolloutConfig`, given as the ``rollout_config`` keyword or under
@@ -39,6 +41,7 @@ from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray_xlong.rllib.episodes import RUN_ACTION_SPACE, RUN_OBSERVATION_SPACE, run_to_episode
 from ray_xlong.rollout import Engine, HFEngine, Harness, HarnessConfig, RunResult, load_chat_format
 from ray_xlong.rollout.tasks import TASKS, UnknownTaskError, make_task
+from ray_xlong.serving.agents import AGENT_TASKS, run_agent
 
 EngineFactory = Callable[[], Engine]
 """``make() -> Engine``: builds the runner's engine (called once, on the runner's loop)."""
@@ -108,6 +111,7 @@ class AgentEnvRunner(EnvRunner):
         self.engine: Engine = self._call(self._build_engine())
         self.harness = Harness(self.engine, load_chat_format(cfg.model_dir),
                                config=cfg.harness)
+        self.endpoint = None             # ray_xlong.serving: started by endpoint_url()
 
     # -- plumbing ---------------------------------------------------------------------------
     def _call(self, coro, timeout: float | None = None):
@@ -129,8 +133,10 @@ class AgentEnvRunner(EnvRunner):
         on an unknown task or a run id already used."""
         if self._draining or self._stopped or getattr(self.engine, "is_sleeping", False):
             raise RuntimeError("AgentEnvRunner takes no new runs (draining, asleep or stopped)")
+        if any(spec.task in AGENT_TASKS for spec in specs):
+            self.endpoint_url()
         for spec in specs:
-            if spec.task not in TASKS:
+            if spec.task not in TASKS and spec.task not in AGENT_TASKS:
                 raise UnknownTaskError(f"RunSpec.task {spec.task!r} (run {spec.run_id!r}) is "
                                        f"not a registered task; known: {sorted(TASKS)}")
             if spec.run_id in self._live:
@@ -139,22 +145,38 @@ class AgentEnvRunner(EnvRunner):
 
     async def _start(self, specs: list[RunSpec]) -> list[str]:
         for spec in specs:
-            env = make_task(spec.task, seed=spec.seed)
-            task = asyncio.get_running_loop().create_task(
-                self.harness.run(env, run_id=spec.run_id, group_id=spec.group_id))
+            if spec.task in AGENT_TASKS:      # an external agent, through the cell's endpoint
+                env, run = None, run_agent(self.endpoint, AGENT_TASKS[spec.task](spec.seed),
+                                           run_id=spec.run_id, group_id=spec.group_id)
+            else:
+                env = make_task(spec.task, seed=spec.seed)
+                run = self.harness.run(env, run_id=spec.run_id, group_id=spec.group_id)
+            task = asyncio.get_running_loop().create_task(run)
             self._live[spec.run_id] = task
             task.add_done_callback(lambda t, rid=spec.run_id, e=env: self._on_end(rid, e, t))
         return [s.run_id for s in specs]
 
     def _on_end(self, run_id: str, env, task: asyncio.Task) -> None:
         self._live.pop(run_id, None)
-        env.close()
+        if env is not None:
+            env.close()
         if not task.cancelled():
             self._ended.append(task.result())
 
     def num_live_runs(self) -> int:
-        """Runs started and not yet ended."""
-        return len(self._live)
+        """Runs started and not yet ended (endpoint runs included)."""
+        return len(self._live) + (len(self.endpoint.runs.live) if self.endpoint else 0)
+
+    def endpoint_url(self, host: str = "127.0.0.1") -> str:
+        """The URL of this cell's OpenAI-compatible endpoint (``ray_xlong.serving``), on
+        this cell's engine; started on first use."""
+        if self.endpoint is None:
+            from ray_xlong.serving.cell import attach
+
+            self.endpoint, self._server = self._call(
+                attach(self.engine, self.rollout_config.model_dir, host=host))
+            self.endpoint.runs.draining = self._draining
+        return self.endpoint.url
 
     def sample(self, *, min_runs: int = 0, timeout_s: float = 0.0,
                **_rllib_kwargs: Any) -> list[SingleAgentEpisode]:
@@ -179,15 +201,20 @@ class AgentEnvRunner(EnvRunner):
     def drain(self) -> None:
         """Take no new runs; live runs go on."""
         self._draining = True
+        if self.endpoint is not None:
+            self.endpoint.runs.draining = True
 
     def undrain(self) -> None:
         """Take new runs again."""
         self._draining = False
+        if self.endpoint is not None:
+            self.endpoint.runs.draining = False
 
     def sleep(self) -> None:
         """Release the engine's memory. Raises if a run is live (never interrupts one)."""
-        if self._live:
-            raise RuntimeError(f"cannot sleep with {len(self._live)} live runs; drain first")
+        if self.num_live_runs():
+            raise RuntimeError(f"cannot sleep with {self.num_live_runs()} live runs; drain "
+                               f"first")
         self._call(self.engine.sleep())
 
     def wake_up(self) -> None:
@@ -232,6 +259,8 @@ class AgentEnvRunner(EnvRunner):
         async def _shutdown() -> None:
             for task in list(self._live.values()):
                 task.cancel()
+            if self.endpoint is not None:
+                await self._server.stop()
             await self.engine.close()
 
         self._call(_shutdown())
