@@ -200,7 +200,7 @@ def _bench_ray(args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
     if importlib.util.find_spec("ray") is None:
         raise CliError("--backend ray needs Ray RLlib: pip install -e '.[rllib]' (or use "
                        "--backend sim)")
-    from ray_xlong.rllib.mode_bench import ALL_MODES, run_comparison, table
+    from ray_xlong.tools.mode_bench import ALL_MODES, run_comparison, table
 
     _known_modes(modes, ALL_MODES)
     size = args.size or "quick"
@@ -264,7 +264,7 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """RL on the lookup task on a local Ray (the README main job; see examples/)."""
-    from ray_xlong.rllib.train import HEADER, row, run_training
+    from ray_xlong.tools.train import HEADER, row, run_training
     from ray_xlong.scheduling.events import to_jsonl
     from ray_xlong.sim.timeline import plot_timelines
 

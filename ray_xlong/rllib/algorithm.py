@@ -51,7 +51,7 @@ from ray.rllib.utils.metrics import (ENV_RUNNER_RESULTS, EPISODE_RETURN_MEAN,
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
 from ray_xlong.rllib.algorithm_config import XLongConfig
-from ray_xlong.rllib.stepping import StepReport, SteppingActuator
+from ray_xlong.cells.stepping import StepReport, SteppingActuator
 
 XLONG = "xlong"
 """Result key of the xlong metrics."""
@@ -83,7 +83,7 @@ class XLongAlgorithm(Algorithm):
     def setup(self, config: XLongConfig) -> None:
         """Cells up, callbacks made, ``on_algorithm_init`` fired (no RLlib EnvRunnerGroup:
         the cells' runners are the env runners)."""
-        from ray_xlong.rllib.cells import create_cells
+        from ray_xlong.cells.pool import create_cells
         from ray_xlong.rllib.env_runner import RolloutConfig
 
         update_global_seed_if_necessary("torch", self.config.seed)
@@ -122,7 +122,7 @@ class XLongAlgorithm(Algorithm):
         self._log(report)
 
     def _start_actuator(self) -> SteppingActuator:
-        from ray_xlong.rllib.config import make_policy
+        from ray_xlong.cells.config import make_policy
 
         version = self.policy_version
         job = self.config.job_config(group_offset=version * self.config.groups_per_step)

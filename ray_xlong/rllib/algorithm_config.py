@@ -90,7 +90,7 @@ class XLongOptions:
     """Longest the driver waits for an actor report before deciding again."""
     spool_dir: str | None = None
     """Where runners spool ended runs before handing them over (storage every node sees):
-    with it a lost runner loses no finished run (``ray_xlong/rllib/spool.py``). Runner,
+    with it a lost runner loses no finished run (``ray_xlong/cells/spool.py``). Runner,
     learner and node losses are recovered with or without it."""
 
     def __post_init__(self) -> None:
@@ -203,11 +203,11 @@ class XLongConfig(AlgorithmConfig):
         self.job_config(group_offset=0)
 
     def job_config(self, *, group_offset: int):
-        """The cell layer's job record (``ray_xlong.rllib.config.XLongConfig``)."""
-        from ray_xlong.rllib.cells import CellLayout
-        from ray_xlong.rllib.config import CellJobConfig
+        """The cell layer's job record (``ray_xlong.cells.config.XLongConfig``)."""
+        from ray_xlong.cells.pool import CellLayout
+        from ray_xlong.cells.config import CellJobConfig
         from ray_xlong.rllib.learner import LearnerSettings
-        from ray_xlong.rllib.task_job import TaskJob
+        from ray_xlong.cells.task_job import TaskJob
         from ray_xlong.scheduling import SchedulingConfig
         from ray_xlong.trajectory import ProcessorConfig
 

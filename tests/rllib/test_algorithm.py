@@ -185,7 +185,7 @@ def test_from_checkpoint_continues_in_a_new_process(trained, tmp_path):
 def test_reward_rises_in_elastic_mode(tmp_path_factory):
     """The lookup recipe (warm start, lr 5e-4, 16 groups × 8 runs) on 2 elastic cells: the
     mean reward of steps 21-25 beats that of steps 1-3 by >= 0.3 (measured: ~0.22 -> ~0.55)."""
-    from ray_xlong.rllib.task_job import warm_started_model_dir
+    from ray_xlong.cells.task_job import warm_started_model_dir
 
     if ray.is_initialized():
         ray.shutdown()

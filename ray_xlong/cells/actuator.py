@@ -56,12 +56,12 @@ from typing import Any
 import ray
 import torch
 
-from ray_xlong.rllib.cells import CellPool
-from ray_xlong.rllib.config import CellJobConfig
-from ray_xlong.rllib.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
+from ray_xlong.cells.pool import CellPool
+from ray_xlong.cells.config import CellJobConfig
+from ray_xlong.cells.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
                                            actor_alive, actor_lost, chunk_with_stats)
-from ray_xlong.rllib.metrics import RayResult
-from ray_xlong.rllib.spool import RunSpool
+from ray_xlong.cells.metrics import RayResult
+from ray_xlong.cells.spool import RunSpool
 from ray_xlong.scheduling import (CellMachine, Drain, Event, JoinStep, Policy, Reserve, Role,
                                   StartRuns, StartTraining, Sync)
 from ray_xlong.trajectory.recording import read_runs, write_runs

@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
 from ray_xlong.rllib.learner import LearnerSettings, XLongLearner, learner_config
-from ray_xlong.rllib.spool import RunSpool
+from ray_xlong.cells.spool import RunSpool
 from ray_xlong.rollout.tasks import TASKS, TaskFactory, register_task
 
 STRATEGIES = ("STRICT_SPREAD", "PACK", "SPREAD", "STRICT_PACK")

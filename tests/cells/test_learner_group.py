@@ -20,7 +20,7 @@ import torch
 from ray_xlong.models import build_tiny_model_dir, load_model
 from ray_xlong.models.tiny import full_precision_norms
 from ray_xlong.rllib.learner import DTYPES, LearnerSettings, XLongLearner, learner_config
-from ray_xlong.rllib.learner_group import ElasticLearnerGroup, chunk, chunk_normalizer
+from ray_xlong.cells.learner_group import ElasticLearnerGroup, chunk, chunk_normalizer
 from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor
 from ray_xlong.trajectory.loss import policy_loss
 from ray_xlong.trajectory.model import token_logprobs
@@ -187,7 +187,7 @@ def test_a_learner_lost_mid_step_gives_the_same_update(ray_local, model_dir, whe
     """Issue 7: a learner that dies mid-step (between micro-batches, or inside the reduce) is
     replaced; the micro-batches it held are trained again by others and both steps end on the
     reference weights, as if nothing happened."""
-    from ray_xlong.rllib.learner_group import StepIncomplete
+    from ray_xlong.cells.learner_group import StepIncomplete
 
     want = reference_weights(model_dir, "float32")
     start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}

@@ -46,10 +46,10 @@ SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, 
 def build_config(size: dict, *, model_dir: str, seed: int):
     """The job of a size: ``task_steps`` tool calls of median ``median_s`` task seconds each,
     heavy-tailed (sigma 1), a run capped at 2.5 × task_steps × the median (wall clock)."""
-    from ray_xlong.rllib.cells import CellLayout
-    from ray_xlong.rllib.config import CellJobConfig
+    from ray_xlong.cells.pool import CellLayout
+    from ray_xlong.cells.config import CellJobConfig
     from ray_xlong.rllib.learner import LearnerSettings
-    from ray_xlong.rllib.long_horizon_job import LongHorizonJob
+    from ray_xlong.cells.long_horizon_job import LongHorizonJob
     from ray_xlong.rollout import HarnessConfig
     from ray_xlong.rollout.tasks import LongHorizonConfig
     from ray_xlong.scheduling import SchedulingConfig
@@ -70,8 +70,8 @@ def build_config(size: dict, *, model_dir: str, seed: int):
 
 def calibrate(config, pool) -> dict:
     """A one-step colocated job on a different seed: the simulator's cost model, measured."""
-    from ray_xlong.rllib.driver import run_job
-    from ray_xlong.rllib.long_horizon_job import predicted_durations
+    from ray_xlong.tools.driver import run_job
+    from ray_xlong.cells.long_horizon_job import predicted_durations
     from ray_xlong.scheduling import SchedulingConfig
 
     job = SchedulingConfig(1, 1, config.job.runs_per_group, 0)
@@ -97,7 +97,7 @@ def calibrate(config, pool) -> dict:
 
 def sim_inputs(config, cal: dict):
     """Workload, cluster and costs of the job for the simulator (seconds as its hours)."""
-    from ray_xlong.rllib.long_horizon_job import predicted_durations
+    from ray_xlong.cells.long_horizon_job import predicted_durations
     from ray_xlong.sim.cluster import ClusterConfig, CostConfig
     from ray_xlong.sim.workload import Workload
 
@@ -131,9 +131,9 @@ def run_modes(config, pool, modes, cal: dict, *,
         ``(rows, logs, lower bound s)``: ``rows[mode]`` is a dict of measurements (see
         :func:`table`), ``logs[mode] = (ray events, simulator events)``.
     """
-    from ray_xlong.rllib.config import make_policy
-    from ray_xlong.rllib.driver import run_job
-    from ray_xlong.rllib.metrics import check_invariants
+    from ray_xlong.cells.config import make_policy
+    from ray_xlong.tools.driver import run_job
+    from ray_xlong.cells.metrics import check_invariants
     from ray_xlong.sim.metrics import lower_bound_h
     from ray_xlong.sim.simulator import simulate
 
@@ -144,7 +144,7 @@ def run_modes(config, pool, modes, cal: dict, *,
         if on_mode is not None:
             on_mode(mode)
         if mode == "forecast":
-            from ray_xlong.rllib.actuator import RayActuator
+            from ray_xlong.cells.actuator import RayActuator
 
             cfg = dataclasses.replace(config, mode="elastic")
             real = RayActuator(cfg, forecast_policy(config, cal), pool).run()
@@ -233,7 +233,7 @@ def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = N
     import ray
 
     from ray_xlong.models import build_tiny_model_dir
-    from ray_xlong.rllib.driver import start_cells
+    from ray_xlong.tools.driver import start_cells
 
     if size not in SIZES:
         raise ValueError(f"size: unknown {size!r}; choose from {sorted(SIZES)}")

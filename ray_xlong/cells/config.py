@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ray_xlong.rllib.cells import CellLayout
+from ray_xlong.cells.pool import CellLayout
 from ray_xlong.rllib.learner import LearnerSettings
-from ray_xlong.rllib.long_horizon_job import LongHorizonJob
+from ray_xlong.cells.long_horizon_job import LongHorizonJob
 from ray_xlong.rollout import HarnessConfig
 from ray_xlong.scheduling import (AsyncPolicy, ColocatedPolicy, ElasticPolicy, Policy,
                                   SchedulingConfig)

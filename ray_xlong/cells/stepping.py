@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from ray_xlong.rllib.actuator import RayActuator
-from ray_xlong.rllib.learner_group import ElasticLearnerGroup
+from ray_xlong.cells.actuator import RayActuator
+from ray_xlong.cells.learner_group import ElasticLearnerGroup
 from ray_xlong.scheduling import Role
 
 

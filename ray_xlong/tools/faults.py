@@ -12,8 +12,8 @@ audit(result, job)  from the event log and the trained-run ids: runs lost, runs 
 ```
 
 Kills are real (``ray.kill(actor, no_restart=True)``, a raylet removed); only *when* and *whom*
-is chosen here. ``python -m ray_xlong.rllib.faults`` is a driver process for the driver-restart
-fault: it runs (or resumes) one job from a pickled :class:`~ray_xlong.rllib.config.CellJobConfig`
+is chosen here. ``python -m ray_xlong.tools.faults`` is a driver process for the driver-restart
+fault: it runs (or resumes) one job from a pickled :class:`~ray_xlong.cells.config.CellJobConfig`
 on a running cluster and writes its result; the parent kills it and starts another.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import ray
 
-from ray_xlong.rllib.metrics import RayResult, check_invariants
+from ray_xlong.cells.metrics import RayResult, check_invariants
 from ray_xlong.scheduling import SchedulingConfig
 
 KINDS = ("runner", "learner", "node", "driver")
@@ -64,7 +64,7 @@ class FaultPlan:
 
 
 class FaultInjector:
-    """Fires a :class:`FaultPlan` into a running :class:`~ray_xlong.rllib.actuator.RayActuator`.
+    """Fires a :class:`FaultPlan` into a running :class:`~ray_xlong.cells.actuator.RayActuator`.
     """
 
     def __init__(self, plan: FaultPlan, job: SchedulingConfig, *,
@@ -196,9 +196,9 @@ def drive(config_path: str, address: str, out: str, *, resume: bool) -> None:
     checkpoint) the job, and pickle ``{"result", "resumed_at"}`` to ``out``."""
     import os
 
-    from ray_xlong.rllib.actuator import CHECKPOINT, RayActuator
-    from ray_xlong.rllib.config import make_policy
-    from ray_xlong.rllib.driver import start_cells
+    from ray_xlong.cells.actuator import CHECKPOINT, RayActuator
+    from ray_xlong.cells.config import make_policy
+    from ray_xlong.tools.driver import start_cells
 
     with open(config_path, "rb") as f:
         config = pickle.load(f)
