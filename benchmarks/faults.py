@@ -46,7 +46,7 @@ def make_config(root: str, *, cells: int, steps: int, seed: int):
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.cells.pool import CellLayout
     from ray_xlong.cells.config import CellJobConfig
-    from ray_xlong.rllib.learner import LearnerSettings
+    from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.cells.long_horizon_job import LongHorizonJob
     from ray_xlong.rollout import HarnessConfig
     from ray_xlong.rollout.tasks import LongHorizonConfig

@@ -61,6 +61,7 @@ from ray_xlong.cells.config import CellJobConfig
 from ray_xlong.cells.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
                                            actor_alive, actor_lost, chunk_with_stats)
 from ray_xlong.cells.metrics import RayResult
+from ray_xlong.cells.runs import run_index, run_key
 from ray_xlong.cells.spool import RunSpool
 from ray_xlong.scheduling import (CellMachine, Drain, Event, JoinStep, Policy, Reserve, Role,
                                   StartRuns, StartTraining, Sync)
@@ -191,7 +192,7 @@ class RayActuator:
     def _deliver(self, cell: int, results: list) -> None:
         """Runs that ended on ``cell`` (from its runner or the spool), each taken once."""
         for res in results:
-            run = int(res.run.run_id[1:])
+            run = run_index(res.run.run_id)
             if run not in self.m.live[cell]:  # delivered already (from the spool)
                 continue
             self.m.run_ended(cell, run, self.now())
@@ -447,7 +448,7 @@ class RayActuator:
         """Results in the spool of runs still live on ``cell`` (they ended, unreported)."""
         if self.spool is None or not self.m.live[cell]:
             return []
-        return [res for _, res in self.spool.get(f"r{r}" for r in self.m.live[cell]).values()]
+        return [res for _, res in self.spool.get(run_key(r) for r in self.m.live[cell]).values()]
 
     def _requeue(self, redo: list[MicroBatch]) -> list[MicroBatch]:
         """Put micro-batches a lost learner had trained back at the head of the queue (their
@@ -569,7 +570,7 @@ class RayActuator:
         self.ended = collections.defaultdict(list)
         g = self.cfg.job.runs_per_group
         for run in read_runs(str(pathlib.Path(path).parent / state["ended_runs"])):
-            self.ended[int(run.run_id[1:]) // g].append(run)
+            self.ended[run_index(run.run_id) // g].append(run)
         self.trained = state["trained"]
         self.token_staleness = state["token_staleness"]
         self.stats = collections.defaultdict(list, state["stats"])

@@ -33,7 +33,6 @@ from typing import Any, Sequence
 import ray
 import torch
 
-from ray_xlong.rllib.connector import batch_from_packed
 from ray_xlong.trajectory import AgentRun, BatchStats, ProcessorConfig, TrajectoryProcessor
 from ray_xlong.trajectory.packing import micro_batches
 
@@ -43,7 +42,7 @@ class MicroBatch:
     """One unit of training work sent to one cell."""
 
     tensors: dict[str, torch.Tensor]
-    """Module batch (``connector.batch_from_packed`` format)."""
+    """The micro-batch's tensor form (``PackedBatch.to_tensors``)."""
     weight: float
     """Normalizer of the chunk it came from (``tensors["loss_scale"]`` is already multiplied
     by it: the micro-batch's loss is un-normalised)."""
@@ -88,7 +87,7 @@ def chunk_with_stats(runs: Sequence[AgentRun], *, processor: ProcessorConfig,
     ids = tuple(r.run_id for r in runs)
     out = []
     for m in micro_batches(packed, max_tokens=max_tokens):
-        tensors = batch_from_packed(m)
+        tensors = m.to_tensors()
         scale = tensors["loss_scale"].double() * weight
         if processor.loss_norm == "token":
             scale = scale.round()

@@ -84,6 +84,7 @@ class XLongAlgorithm(Algorithm):
         """Cells up, callbacks made, ``on_algorithm_init`` fired (no RLlib EnvRunnerGroup:
         the cells' runners are the env runners)."""
         from ray_xlong.cells.pool import create_cells
+        from ray_xlong.rllib.cell_actors import cell_actors
         from ray_xlong.rllib.env_runner import RolloutConfig
 
         update_global_seed_if_necessary("torch", self.config.seed)
@@ -101,8 +102,9 @@ class XLongAlgorithm(Algorithm):
         rollout = RolloutConfig(model_dir=self.job.learner.model_dir, backend=opt.engine,
                                 harness=opt.harness, max_batch_size=opt.slots_per_cell,
                                 seed=int(self.config.seed or 0))
-        self.pool = create_cells(self.job.layout, rollout=rollout, learner=self.job.learner,
-                                 seed=int(self.config.seed or 0), spool_dir=self.job.spool_dir)
+        actors = cell_actors(rollout=rollout, learner=self.job.learner,
+                             seed=int(self.config.seed or 0), spool_dir=self.job.spool_dir)
+        self.pool = create_cells(self.job.layout, actors=actors)
         self.actuator: SteppingActuator | None = None
         self.policy_version = 0
         self._start_state: dict[str, Any] | None = None

@@ -206,7 +206,7 @@ class XLongConfig(AlgorithmConfig):
         """The cell layer's job record (``ray_xlong.cells.config.XLongConfig``)."""
         from ray_xlong.cells.pool import CellLayout
         from ray_xlong.cells.config import CellJobConfig
-        from ray_xlong.rllib.learner import LearnerSettings
+        from ray_xlong.cells.config import LearnerSettings
         from ray_xlong.cells.task_job import TaskJob
         from ray_xlong.scheduling import SchedulingConfig
         from ray_xlong.trajectory import ProcessorConfig

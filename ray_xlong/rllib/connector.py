@@ -48,7 +48,6 @@ already in the batch raise, naming the episode / run / module; with
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Mapping
 
@@ -59,19 +58,9 @@ from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
 from ray_xlong.rllib.episodes import runs_by_module
 from ray_xlong.trajectory import BatchStats, PackedBatch, ProcessorConfig, TrajectoryProcessor
+from ray_xlong.trajectory.packing import LAYOUT_CODES, TENSOR_KEYS  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
-
-LAYOUT_CODES: tuple[str, ...] = ("tree", "per_trajectory")
-"""``batch[module_id]["layout"]`` holds the index of the layout in this tuple."""
-
-TENSOR_KEYS: tuple[str, ...] = (
-    "input_ids", "position_ids", "attention_mask", "valid", "target_row", "target_src",
-    "target_ids", "behaviour_logprobs", "policy_versions", "advantages", "loss_scale",
-    "target_run",
-)
-"""The ``PackedBatch`` tensor fields of a module batch (same names), besides ``layout`` and
-``run_ids``."""
 
 METRIC_KEYS: dict[str, str] = {
     "runs": "xlong/runs",
@@ -155,45 +144,14 @@ class PrefixTreeConnector(ConnectorV2):
 
 
 def batch_from_packed(packed: PackedBatch) -> dict[str, torch.Tensor]:
-    """The module-batch dict of a packed batch (format: module docstring; tensors shared)."""
-    out = {key: getattr(packed, key) for key in TENSOR_KEYS}
-    out["layout"] = torch.tensor([LAYOUT_CODES.index(packed.layout)], dtype=torch.int64)
-    encoded = json.dumps(list(packed.run_ids)).encode("utf-8")
-    out["run_ids"] = torch.tensor(list(encoded), dtype=torch.uint8)
-    return out
+    """The module-batch dict of a packed batch: :meth:`PackedBatch.to_tensors`."""
+    return packed.to_tensors()
 
 
 def packed_from_batch(module_batch: Mapping[str, Any]) -> PackedBatch:
-    """Rebuild the :class:`PackedBatch` from a module batch written by the connector.
-
-    Extra keys (e.g. RLlib default columns) are ignored; tensors are taken as they are (no
-    copy, any device).
-
-    Args:
-        module_batch: ``batch[module_id]`` (a dict or RLlib ``SampleBatch``).
-
-    Returns:
-        The packed batch, ready for ``token_logprobs`` / ``policy_loss``.
-
-    Raises:
-        KeyError: a field is missing (named). TypeError: a tensor field is not a tensor.
-    """
-    missing = [k for k in (*TENSOR_KEYS, "layout", "run_ids") if k not in module_batch]
-    if missing:
-        raise KeyError(f"packed_from_batch: module batch lacks {missing} (was it written by "
-                       f"PrefixTreeConnector?)")
-    for key in (*TENSOR_KEYS, "layout", "run_ids"):
-        if not isinstance(module_batch[key], torch.Tensor):
-            raise TypeError(f"packed_from_batch: {key} must be a torch.Tensor, got "
-                            f"{type(module_batch[key]).__name__}")
-    fields = {key: module_batch[key] for key in TENSOR_KEYS}
-    code = int(module_batch["layout"].reshape(-1)[0])
-    if not 0 <= code < len(LAYOUT_CODES):
-        raise ValueError(f"packed_from_batch: layout code {code} is not one of "
-                         f"{dict(enumerate(LAYOUT_CODES))}")
-    encoded = bytes(module_batch["run_ids"].detach().cpu().numpy().astype("uint8"))
-    run_ids = tuple(json.loads(encoded.decode("utf-8")))
-    return PackedBatch(layout=LAYOUT_CODES[code], run_ids=run_ids, **fields)
+    """Rebuild the :class:`PackedBatch` of a module batch: :meth:`PackedBatch.from_tensors`
+    (extra keys such as RLlib default columns are ignored; errors name the field)."""
+    return PackedBatch.from_tensors(module_batch)
 
 
 def log_stats(metrics: MetricsLogger, *, module_id: str, stats: BatchStats,

@@ -5,7 +5,9 @@ RLlib's ``Learner.update`` runs a whole batch on a fixed group; a cell's Learner
 part in a step for as many micro-batches as the scheduler gives it, so the step is split::
 
     wake_up(state, version)        load the step's weights + optimizer state if behind
-    accumulate(micro) × k          grad += ∇ Σ loss_scale · ℓ   (un-normalised; local, no reduce)
+    accumulate(micro) × k          grad += ∇ Σ loss_scale · ℓ   (un-normalised; local, no reduce;
+                                   ``trajectory.accumulate.accumulate_loss``, the one shared
+                                   implementation; tree rows attend with ``xlong_tree``)
     take_gradients()               → {param name: summed grad} (zeros if it took no micro-batch)
     apply_step(grads, total)       grad = Σ grads / total; one optimizer step; version + 1
     get_state() / get_weights()    what joiners and engines load
@@ -28,7 +30,6 @@ the cell gives them CPU from its bundle (``cells.py``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping, Sequence
 
 import ray
@@ -37,58 +38,29 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 
-from ray_xlong.rllib.connector import packed_from_batch
-from ray_xlong.trajectory.loss import LossConfig, policy_loss
+from ray_xlong.cells.config import DTYPES, LearnerSettings  # noqa: F401 (re-exported)
+from ray_xlong.trajectory.accumulate import accumulate_loss
+from ray_xlong.trajectory.loss import policy_loss
 from ray_xlong.trajectory.model import token_logprobs
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-"""``LearnerSettings.dtype`` names."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LearnerSettings:
-    """What a cell's Learner trains and how."""
-
-    model_dir: str
-    """Model directory (``ray_xlong.models.build_tiny_model_dir``); engines load the same."""
-    lr: float = 1e-4
-    """Adam learning rate."""
-    loss: LossConfig = LossConfig()
-    """Token loss form (PPO clip / truncated IS)."""
-    dtype: str = "float32"
-    """Training dtype: one of :data:`DTYPES`."""
-    micro_batch_tokens: int = 4096
-    """Token budget of one micro-batch (rows × width)."""
-    grad_clip: float | None = None
-    """Global-norm clip of the reduced gradient before the optimizer step (None: no clip)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model_dir, str) or not self.model_dir:
-            raise ValueError(f"LearnerSettings.model_dir must be a path string, "
-                             f"got {self.model_dir!r}")
-        if not self.lr > 0:
-            raise ValueError(f"LearnerSettings.lr must be > 0, got {self.lr!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"LearnerSettings.dtype must be one of {sorted(DTYPES)}, "
-                             f"got {self.dtype!r}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"LearnerSettings.grad_clip must be > 0 or None, "
-                             f"got {self.grad_clip!r}")
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"LearnerSettings.micro_batch_tokens must be >= 1, "
-                             f"got {self.micro_batch_tokens!r}")
-
+from ray_xlong.trajectory.packing import PackedBatch
 
 class XLongModule(TorchRLModule):
-    """An RLModule holding a HF causal LM (``model_config``: ``model_dir``, ``dtype``)."""
+    """An RLModule holding a HF causal LM (``model_config``: ``model_dir``, ``dtype``,
+    ``attn_implementation`` — ``LearnerSettings.model_attention``, default ``xlong_tree``)."""
 
     def setup(self) -> None:
         from ray_xlong.models import load_model
+        from ray_xlong.trajectory.tree_attention import ATTN_IMPLEMENTATION
+        from ray_xlong.trajectory.tree_attention import register as register_tree_attention
 
         from ray_xlong.models.tiny import full_precision_norms
 
         cfg = self.model_config or {}
-        self.lm = load_model(cfg["model_dir"], dtype=DTYPES[cfg.get("dtype", "float32")])
+        attention = cfg.get("attn_implementation", "xlong_tree")
+        if attention == ATTN_IMPLEMENTATION:
+            register_tree_attention()
+        self.lm = load_model(cfg["model_dir"], dtype=DTYPES[cfg.get("dtype", "float32")],
+                             attn_implementation=attention)
         if cfg.get("dtype") == "float64":
             full_precision_norms(self.lm)  # HF norms compute in fp32 otherwise
         self.lm.train()
@@ -115,7 +87,7 @@ class XLongLearner(TorchLearner):
     def compute_loss_for_module(self, *, module_id: str, config: Any = None,
                                 batch: Mapping[str, Any], fwd_out: Any = None) -> torch.Tensor:
         """``Σ loss_scale · ℓ`` of one packed module batch (see ``trajectory.loss``)."""
-        packed = packed_from_batch(batch)
+        packed = PackedBatch.from_tensors(batch)
         loss, _ = policy_loss(token_logprobs(self.module[module_id].lm, packed), packed,
                               self.settings.loss)
         return loss
@@ -130,12 +102,11 @@ class XLongLearner(TorchLearner):
         if version is not None and version != self.version:
             raise RuntimeError(f"XLongLearner.accumulate: learner at version {self.version}, "
                                f"the step trains version {version} (reload its state first)")
-        loss = self.compute_loss_for_module(module_id=DEFAULT_MODULE_ID, batch=micro_batch)
-        loss.backward()
-        n = int(micro_batch["target_ids"].numel())
+        part = accumulate_loss(self.lm, PackedBatch.from_tensors(micro_batch),
+                               config=self.settings.loss)
         self.micro_batches += 1
-        self.tokens += n
-        return n
+        self.tokens += part.targets
+        return part.targets
 
     def take_gradients(self) -> dict[str, torch.Tensor]:
         """The summed local gradient by parameter name (zeros where none), then cleared."""
@@ -236,7 +207,8 @@ def learner_config(settings: LearnerSettings, *, seed: int = 0):
     spec = MultiRLModuleSpec(rl_module_specs={DEFAULT_MODULE_ID: RLModuleSpec(
         module_class=XLongModule, observation_space=RUN_OBSERVATION_SPACE,
         action_space=RUN_ACTION_SPACE,
-        model_config={"model_dir": settings.model_dir, "dtype": settings.dtype})})
+        model_config={"model_dir": settings.model_dir, "dtype": settings.dtype,
+                      "attn_implementation": settings.model_attention})})
     return config, spec
 
 

@@ -7,6 +7,8 @@
 * ``tasks/`` — the task interface and the arithmetic, code and long-horizon tasks.
 
 ``vllm_engine`` is not imported here (vLLM is optional).
+
+May import: ``models`` and ``trajectory`` (never ``cells``, ``rllib`` or ``tools``).
 """
 
 from ray_xlong.rollout.chat import Answer, ChatFormat, Malformed, ToolCall

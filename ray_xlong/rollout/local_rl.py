@@ -45,8 +45,8 @@ from ray_xlong.rollout.hf_engine import HFEngine
 from ray_xlong.rollout.tasks import make_task
 from ray_xlong.rollout.warm_start import WarmStartConfig, warm_start_policy
 from ray_xlong.trajectory import (AgentRun, LossConfig, PackedBatch, ProcessorConfig,
-                                  TrajectoryProcessor, policy_loss)
-from ray_xlong.trajectory.model import token_logprobs
+                                  TrajectoryProcessor)
+from ray_xlong.trajectory.accumulate import accumulate_loss
 from ray_xlong.trajectory.packing import micro_batches
 
 
@@ -189,15 +189,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.zero_grad(set_to_none=True)
     loss_sum, ratio_sum, clip_sum, targets = 0.0, 0.0, 0.0, 0
     for micro in packed_batches:
-        n = int(micro.target_ids.numel())
-        if n == 0:
-            continue
-        loss, stats = policy_loss(token_logprobs(model, micro), micro, loss_config)
-        loss.backward()
-        loss_sum += float(loss.detach())
-        ratio_sum += stats["ratio_mean"] * n
-        clip_sum += stats["clip_frac"] * n
-        targets += n
+        part = accumulate_loss(model, micro, config=loss_config)
+        loss_sum += part.loss
+        ratio_sum += part.ratio_mean * part.targets
+        clip_sum += part.clip_frac * part.targets
+        targets += part.targets
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     optimizer.step()

@@ -17,6 +17,7 @@ import dataclasses
 from ray_xlong.cells.actuator import RayActuator
 from ray_xlong.cells.pool import CellPool, create_cells
 from ray_xlong.cells.config import CellJobConfig, make_policy
+from ray_xlong.rllib.cell_actors import cell_actors
 from ray_xlong.rllib.env_runner import RolloutConfig
 from ray_xlong.cells.metrics import RayResult, check_invariants
 
@@ -31,9 +32,10 @@ def rollout_config(config: CellJobConfig) -> RolloutConfig:
 
 def start_cells(config: CellJobConfig) -> CellPool:
     """Create the cells of ``config.layout`` on the connected Ray cluster (once per process)."""
-    return create_cells(config.layout, rollout=rollout_config(config), learner=config.learner,
-                        tasks=config.work.tasks(), seed=config.work.seed,
-                        spool_dir=config.spool_dir)
+    actors = cell_actors(rollout=rollout_config(config), learner=config.learner,
+                         tasks=config.work.tasks(), seed=config.work.seed,
+                         spool_dir=config.spool_dir)
+    return create_cells(config.layout, actors=actors)
 
 
 def run_job(config: CellJobConfig, pool: CellPool) -> RayResult:
@@ -49,7 +51,7 @@ def main() -> None:  # pragma: no cover - demo
 
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.cells.pool import CellLayout
-    from ray_xlong.rllib.learner import LearnerSettings
+    from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.scheduling import SchedulingConfig
 
     tmp = tempfile.mkdtemp(prefix="rx", dir="/tmp")

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import ray
 
 from ray_xlong.cells.metrics import RayResult, check_invariants
+from ray_xlong.cells.runs import run_key
 from ray_xlong.scheduling import SchedulingConfig
 
 KINDS = ("runner", "learner", "node", "driver")
@@ -179,7 +180,7 @@ class Audit:
 def audit(result: RayResult, job: SchedulingConfig) -> Audit:
     """Check ``result`` of ``job`` (see :class:`Audit`)."""
     trained = collections.Counter(r for step in result.trained_runs for r in step)
-    want = {f"r{r}" for r in range(job.total_runs)}
+    want = {run_key(r) for r in range(job.total_runs)}
     ends = [e.version for e in result.events if e.kind == "step_ended"]
     return Audit(
         steps=len(ends), runs_trained=len(trained),

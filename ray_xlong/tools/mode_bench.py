@@ -48,7 +48,7 @@ def build_config(size: dict, *, model_dir: str, seed: int):
     heavy-tailed (sigma 1), a run capped at 2.5 × task_steps × the median (wall clock)."""
     from ray_xlong.cells.pool import CellLayout
     from ray_xlong.cells.config import CellJobConfig
-    from ray_xlong.rllib.learner import LearnerSettings
+    from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.cells.long_horizon_job import LongHorizonJob
     from ray_xlong.rollout import HarnessConfig
     from ray_xlong.rollout.tasks import LongHorizonConfig

@@ -32,7 +32,8 @@ block-diagonal across runs. Padding attends only to itself.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Sequence
+import json
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +43,17 @@ from ray_xlong.trajectory.records import AgentRun
 from ray_xlong.trajectory.tree import PrefixTree, TreeNode
 
 Layout = Literal["tree", "per_trajectory"]
+
+LAYOUT_CODES: tuple[str, ...] = ("tree", "per_trajectory")
+"""``PackedBatch.to_tensors()["layout"]`` holds the index of the layout in this tuple."""
+
+TENSOR_KEYS: tuple[str, ...] = (
+    "input_ids", "position_ids", "attention_mask", "valid", "target_row", "target_src",
+    "target_ids", "behaviour_logprobs", "policy_versions", "advantages", "loss_scale",
+    "target_run",
+)
+"""The tensor fields of :class:`PackedBatch` (same names in its tensor form), besides
+``layout`` and ``run_ids``."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -87,6 +99,41 @@ class PackedBatch:
     def num_positions(self) -> int:
         """Non-padding positions: what a forward pass must compute."""
         return int(self.valid.sum())
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The batch as a flat dict of tensors (what RLlib module batches, the object store and
+        the Learner carry): every tensor field by name (shared, not copied), ``layout`` as a
+        ``[1]`` int64 index into :data:`LAYOUT_CODES`, ``run_ids`` as ``[n]`` uint8 UTF-8 JSON."""
+        out = {key: getattr(self, key) for key in TENSOR_KEYS}
+        out["layout"] = torch.tensor([LAYOUT_CODES.index(self.layout)], dtype=torch.int64)
+        encoded = json.dumps(list(self.run_ids)).encode("utf-8")
+        out["run_ids"] = torch.tensor(list(encoded), dtype=torch.uint8)
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, Any]) -> "PackedBatch":
+        """Rebuild a batch from :meth:`to_tensors` output (extra keys ignored; tensors taken as
+        they are: no copy, any device).
+
+        Raises:
+            KeyError: a field is missing (named). TypeError: a field is not a tensor.
+            ValueError: the layout code is unknown.
+        """
+        missing = [k for k in (*TENSOR_KEYS, "layout", "run_ids") if k not in tensors]
+        if missing:
+            raise KeyError(f"PackedBatch.from_tensors: the batch lacks {missing} (was it "
+                           f"written by PackedBatch.to_tensors?)")
+        for key in (*TENSOR_KEYS, "layout", "run_ids"):
+            if not isinstance(tensors[key], torch.Tensor):
+                raise TypeError(f"PackedBatch.from_tensors: {key} must be a torch.Tensor, got "
+                                f"{type(tensors[key]).__name__}")
+        code = int(tensors["layout"].reshape(-1)[0])
+        if not 0 <= code < len(LAYOUT_CODES):
+            raise ValueError(f"PackedBatch.from_tensors: layout code {code} is not one of "
+                             f"{dict(enumerate(LAYOUT_CODES))}")
+        encoded = bytes(tensors["run_ids"].detach().cpu().numpy().astype("uint8"))
+        return cls(layout=LAYOUT_CODES[code], run_ids=tuple(json.loads(encoded.decode("utf-8"))),
+                   **{key: tensors[key] for key in TENSOR_KEYS})
 
     def __repr__(self) -> str:
         r, l = self.input_ids.shape
