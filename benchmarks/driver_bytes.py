@@ -8,7 +8,9 @@ This counts what actually passes through the driver process while ``algo.train()
          (object refs passed along cost nothing: the callee fetches them from where they live)
 
 A small job (2 cells, the ``lookup`` task, HF engines, a tiny model) runs ``--steps`` steps; the
-table gives bytes per step, and per trained run, in and out.
+tables give bytes per step in and out, and by kind: ``runs`` (ended runs or their digests),
+``micro`` (what the learners train on), ``state`` (learner weights / Adam state: the durable
+copy of each step's state), ``other`` (role calls, run specs).
 
     python benchmarks/driver_bytes.py --seed 0 --steps 4 --json out.json
     python benchmarks/driver_bytes.py --smoke                          # tiny budget (CI)
@@ -38,12 +40,38 @@ def _size(value) -> int:
         return 0
 
 
+def _kind(value, method: str = "") -> str:
+    """What a value is: ``runs`` (ended runs / their digests), ``micro`` (training inputs),
+    ``state`` (learner weights / optimizer state) or ``other``."""
+    if method.startswith("accumulate"):
+        return "micro"
+    if isinstance(value, dict) and ("weights" in value or "optimizer" in value):
+        return "state"
+    if isinstance(value, dict) and value and all(hasattr(v, "shape") for v in value.values()):
+        return "state"                                   # a weights dict
+    if isinstance(value, (list, tuple)) and value and type(value[0]).__name__ in (
+            "RunResult", "RunDigest", "AgentRun"):
+        return "runs"
+    return "other"
+
+
 class Meter:
-    """Counts bytes into (``ray.get``) and out of (by-value arguments, ``ray.put``) the driver."""
+    """Counts bytes into (``ray.get``) and out of (by-value arguments, ``ray.put``) the driver,
+    by kind (:func:`_kind`)."""
 
     def __init__(self) -> None:
         self.bytes_in = 0
         self.bytes_out = 0
+        self.by_kind: dict[str, int] = {}
+
+    def add(self, direction: str, value, method: str = "") -> None:
+        n = _size(value)
+        if direction == "in":
+            self.bytes_in += n
+        else:
+            self.bytes_out += n
+        key = f"{direction}:{_kind(value, method)}"
+        self.by_kind[key] = self.by_kind.get(key, 0) + n
 
     @contextlib.contextmanager
     def watching(self):
@@ -52,17 +80,18 @@ class Meter:
 
         def counted_get(refs, *args, **kwargs):
             value = get(refs, *args, **kwargs)
-            meter.bytes_in += sum(_size(v) for v in value) if isinstance(refs, list) \
-                else _size(value)
+            for v in (value if isinstance(refs, list) else [value]):
+                meter.add("in", v)
             return value
 
         def counted_put(value, *args, **kwargs):
-            meter.bytes_out += _size(value)
+            meter.add("out", value)
             return put(value, *args, **kwargs)
 
         def counted_remote(self_, *args, **kwargs):
-            meter.bytes_out += sum(_size(a) for a in args) + sum(_size(v)
-                                                                 for v in kwargs.values())
+            method = getattr(self_, "_method_name", "")
+            for a in (*args, *kwargs.values()):
+                meter.add("out", a, method)
             return remote(self_, *args, **kwargs)
 
         ray.get, ray.put, ActorMethod.remote = counted_get, counted_put, counted_remote
@@ -93,10 +122,13 @@ def run(seed: int, steps: int, runs_per_group: int, groups: int) -> dict:
         with meter.watching():
             for _ in range(steps):
                 before_in, before_out = meter.bytes_in, meter.bytes_out
+                kinds = dict(meter.by_kind)
                 result = algo.train()
                 per_step.append({"runs": int(result["xlong"]["runs"]),
                                  "bytes_in": meter.bytes_in - before_in,
                                  "bytes_out": meter.bytes_out - before_out,
+                                 "by_kind": {k: v - kinds.get(k, 0)
+                                             for k, v in meter.by_kind.items()},
                                  "total_tokens": int(result["xlong"]["total_tokens"])})
         algo.stop()
     finally:
@@ -115,6 +147,12 @@ def print_table(result: dict) -> None:
     for i, s in enumerate(result["steps"], start=1):
         print(f"| {i} | {s['runs']} | {s['total_tokens']:,} | {s['bytes_in'] / 1e3:.1f} | "
               f"{s['bytes_out'] / 1e3:.1f} |")
+    kinds = sorted({k for s in result["steps"] for k in s["by_kind"]})
+    print("\n| step | " + " | ".join(f"{k} KB" for k in kinds) + " |")
+    print("|---|" + "---|" * len(kinds))
+    for i, s in enumerate(result["steps"], start=1):
+        print(f"| {i} | " + " | ".join(f"{s['by_kind'].get(k, 0) / 1e3:.1f}" for k in kinds)
+              + " |")
     print(f"\nmean per step: in {result['bytes_in_per_step'] / 1e3:.1f} KB, out "
           f"{result['bytes_out_per_step'] / 1e3:.1f} KB; per trained run "
           f"{result['bytes_per_run'] / 1e3:.1f} KB (in + out)")
