@@ -8,9 +8,9 @@ One job per fault kind, on a fresh pool of cells (one worker node per cell, a he
 GPUs for the driver). ``runner`` / ``learner`` kill actors (``ray.kill``) when a seeded fraction
 of the job's runs has ended; ``node`` removes a cell's node (``Cluster.remove_node``) and adds a
 node like it back after a few seconds; ``driver`` runs the job in a driver process
-(``python -m ray_xlong.rllib.faults``), kills it (SIGKILL) after its first checkpoint plus a
+(``python -m ray_xlong.tools.faults``), kills it (SIGKILL) after its first checkpoint plus a
 seeded delay, and resumes it in a new driver process. Each job is audited from its event log
-and trained-run ids (``ray_xlong.rllib.faults.audit``): runs lost (goal 0), runs trained twice
+and trained-run ids (``ray_xlong.tools.faults.audit``): runs lost (goal 0), runs trained twice
 (goal 0), runs re-run, versions consistent, cell invariants.
 
 Table columns: injected, survived (faults after which the job still finished with a clean
@@ -44,10 +44,10 @@ HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
 
 def make_config(root: str, *, cells: int, steps: int, seed: int):
     from ray_xlong.models import build_tiny_model_dir
-    from ray_xlong.rllib.cells import CellLayout
-    from ray_xlong.rllib.config import CellJobConfig
-    from ray_xlong.rllib.learner import LearnerSettings
-    from ray_xlong.rllib.long_horizon_job import LongHorizonJob
+    from ray_xlong.cells.pool import CellLayout
+    from ray_xlong.cells.config import CellJobConfig
+    from ray_xlong.cells.config import LearnerSettings
+    from ray_xlong.cells.long_horizon_job import LongHorizonJob
     from ray_xlong.rollout import HarnessConfig
     from ray_xlong.rollout.tasks import LongHorizonConfig
     from ray_xlong.scheduling import SchedulingConfig
@@ -103,10 +103,10 @@ class LocalCluster:
 
 def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, seed: int) -> dict:
     """One job with ``per_kind`` faults of ``kind`` injected by this (the driver) process."""
-    from ray_xlong.rllib.actuator import RayActuator
-    from ray_xlong.rllib.config import make_policy
-    from ray_xlong.rllib.driver import start_cells
-    from ray_xlong.rllib.faults import FaultInjector, FaultPlan, audit
+    from ray_xlong.cells.actuator import RayActuator
+    from ray_xlong.cells.config import make_policy
+    from ray_xlong.tools.driver import start_cells
+    from ray_xlong.tools.faults import FaultInjector, FaultPlan, audit
 
     pool = start_cells(config)
     act = RayActuator(config, make_policy(config), pool)
@@ -142,8 +142,8 @@ def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, se
 
 def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -> dict:
     """Run the job in a driver process, SIGKILL it after its first checkpoint, resume it."""
-    from ray_xlong.rllib.actuator import CHECKPOINT
-    from ray_xlong.rllib.faults import audit
+    from ray_xlong.cells.checkpoint import CHECKPOINT
+    from ray_xlong.tools.faults import audit
 
     os.makedirs(root, exist_ok=True)
     config = dataclasses.replace(config, checkpoint_dir=os.path.join(root, "ckpt"),
@@ -151,7 +151,7 @@ def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -
     cfg_path, out = os.path.join(root, "config.pkl"), os.path.join(root, "result.pkl")
     with open(cfg_path, "wb") as f:
         pickle.dump(config, f)
-    cmd = [sys.executable, "-m", "ray_xlong.rllib.faults", "--config", cfg_path,
+    cmd = [sys.executable, "-m", "ray_xlong.tools.faults", "--config", cfg_path,
            "--address", cluster.address, "--out", out]
     t = time.perf_counter()
     first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -23,11 +23,11 @@ import statistics
 import sys
 import tempfile
 
-MODES = ("colocated", "async", "elastic")
+from ray_xlong.scheduling.modes import PAPER_MODES as MODES  # the one mode registry
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ray_xlong.rllib.train import run_training
+    from ray_xlong.tools.train import run_training
     from ray_xlong.rollout.local_rl import WarmStartConfig
 
     warm = (WarmStartConfig(clean_steps=5, noisy_steps=2, min_accuracy=0.0)  # plumbing only

@@ -15,7 +15,7 @@ created once; every mode runs the same seeded long-horizon job (time-compressed:
 is one wall second) on the same cells. A calibration job first measures the cost model
 (per-call overhead, training tokens/s, switch, sync, step finish); the simulator then runs every
 mode on the predicted workload of the same job. The logic lives in
-``ray_xlong.rllib.mode_bench`` (also behind ``ray-xlong bench --backend ray``). Prints a
+``ray_xlong.tools.mode_bench`` (also behind ``ray-xlong bench --backend ray``). Prints a
 markdown table and writes JSON shaped ``{"modes": {mode: {"makespan_s", "sim_makespan_s",
 "vs_elastic", "gpu_busy_frac", ...}}, "lower_bound_s", "calibration", ...}`` and one timeline
 PNG per mode (Ray above, simulator below: one plotting function for both logs).
@@ -27,7 +27,7 @@ import argparse
 import json
 import pathlib
 
-from ray_xlong.rllib.mode_bench import MODES, PAPER8_MODES, SIZES, run_comparison, table
+from ray_xlong.tools.mode_bench import MODES, PAPER8_MODES, SIZES, run_comparison, table
 
 __all__ = ["MODES", "PAPER8_MODES", "SIZES", "main"]
 

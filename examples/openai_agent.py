@@ -95,7 +95,7 @@ def build(seed: int, workdir: pathlib.Path):
     import torch
 
     from ray_xlong.models import load_model
-    from ray_xlong.rllib.task_job import warm_started_model_dir
+    from ray_xlong.cells.task_job import warm_started_model_dir
     from ray_xlong.rollout.tasks.lookup import LookupTask
     from ray_xlong.serving.server import ThreadedEndpoint, build_endpoint
 

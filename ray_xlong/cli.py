@@ -31,6 +31,7 @@ from typing import Sequence
 
 from ray_xlong.cli_args import (existing_dir, existing_file, int_at_least, key_value,
                                 output_dir, output_file, port_number)
+from ray_xlong.scheduling.modes import ALL_MODES, CELL_MODES, PAPER_MODES  # the one registry
 
 
 class CliError(Exception):
@@ -143,7 +144,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """The mode comparison, in the simulator or on Ray cells; ratios against elastic."""
-    modes = list(args.modes or ("colocated", "async", "elastic"))
+    modes = list(args.modes or PAPER_MODES)
     if args.forecast and "forecast" not in modes:
         modes.append("forecast")
     if "elastic" not in modes:
@@ -217,7 +218,7 @@ def _bench_ray(args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
     if importlib.util.find_spec("ray") is None:
         raise CliError("--backend ray needs Ray RLlib: pip install -e '.[rllib]' (or use "
                        "--backend sim)")
-    from ray_xlong.rllib.mode_bench import ALL_MODES, run_comparison, table
+    from ray_xlong.tools.mode_bench import run_comparison, table
 
     _known_modes(modes, ALL_MODES)
     size = args.size or "quick"
@@ -304,7 +305,7 @@ def _train_flags(args: argparse.Namespace) -> dict:
 
 def _train(spec) -> int:
     from ray_xlong.rllib.trackers import TrackerSession, cli_trackers, tracker_callbacks
-    from ray_xlong.rllib.train import HEADER, row, run_training
+    from ray_xlong.tools.train import HEADER, row, run_training
     from ray_xlong.scheduling.events import to_jsonl
     from ray_xlong.sim.timeline import plot_timelines
     from ray_xlong.train_config import dump
@@ -456,9 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override one config field (value read as YAML; repeatable)")
     p.add_argument("--print-config", action="store_true",
                    help="print the effective config as YAML and exit (starts nothing)")
-    p.add_argument("--mode", default=None,
-                   choices=["colocated", "async", "elastic", "colocated+streaming",
-                            "async+streaming"], help="xlong.mode (default elastic)")
+    p.add_argument("--mode", default=None, choices=list(CELL_MODES),
+                   help="xlong.mode (default elastic)")
     p.add_argument("--engine", default=None, choices=["hf", "vllm"],
                    help="xlong.engine (default vllm)")
     p.add_argument("--steps", type=int_at_least(1), default=None, help="run.steps (25)")

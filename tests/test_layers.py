@@ -1,7 +1,23 @@
-"""The pure packages import neither ray nor vllm (DESIGN.md, layers).
+"""The layers of DESIGN.md: imports only point down.
 
-Checked two ways: statically (no import statement names them) and dynamically (importing every
-module of a pure package in a fresh interpreter leaves ``ray`` and ``vllm`` out of sys.modules).
+```
+tools/          benchmark + demo tooling          may import everything below
+rllib/          the RLlib adapter                 cells and below
+cells/          the cell runtime on Ray           serving, rollout, models and the pure core;
+                                                  no ray.rllib
+serving/        a cell's OpenAI endpoint          rollout, models, trajectory; no ray.rllib
+viewer/         the run viewer (HTML)             models, trajectory
+rollout/        engines, harness, tasks           models, trajectory
+models/         local models, tokenizers          trajectory
+sim/            simulator (pure)                  scheduling
+scheduling/     cell machine + policies (pure)    nothing of ours
+trajectory/     records → packing (pure)          nothing of ours
+```
+
+Checked statically (every import statement of every module) and, for the pure packages and
+``cells/``, dynamically (importing every module in a fresh interpreter leaves the forbidden
+packages out of ``sys.modules``). Each package's ``__init__`` opens with a docstring saying what
+lives there and what it may import.
 """
 
 from __future__ import annotations
@@ -14,45 +30,96 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ray_xlong"
 PURE = ["trajectory", "scheduling", "sim"]
-FORBIDDEN = {"ray", "vllm"}
+FORBIDDEN = {pkg: ("ray", "vllm") for pkg in PURE} | {"cells": ("ray.rllib", "vllm"),
+                                                       "serving": ("ray.rllib",),
+                                                       "viewer": ("ray", "vllm")}
+"""Third-party modules (dotted prefixes) a package must not import."""
+MAY_IMPORT: dict[str, set[str]] = {
+    "trajectory": set(),
+    "scheduling": set(),
+    "sim": {"scheduling"},
+    "models": {"trajectory"},
+    "rollout": {"models", "trajectory"},
+    "serving": {"rollout", "models", "trajectory"},
+    "viewer": {"models", "trajectory"},
+    "cells": {"serving", "rollout", "models", "trajectory", "scheduling", "sim"},
+    "rllib": {"cells", "serving", "rollout", "models", "trajectory", "scheduling", "sim"},
+    "tools": {"rllib", "cells", "serving", "rollout", "models", "trajectory", "scheduling",
+              "sim"},
+}
+"""Our packages each package may import (besides itself and the top-level ``checks``)."""
+BOTTOM = {"checks"}
+"""Top-level modules every layer may use (no imports of ours)."""
 
 
-def _pure_files():
-    for pkg in PURE:
-        for path in sorted((ROOT / "ray_xlong" / pkg).rglob("*.py")):
-            yield pytest.param(path, id=str(path.relative_to(ROOT)))
+def _files(pkg: str):
+    return sorted((PACKAGE / pkg).rglob("*.py"))
 
 
-def _imported_roots(tree: ast.AST):
-    for node in ast.walk(tree):
+def _imports(path: pathlib.Path) -> set[str]:
+    """Dotted names of every absolute import in ``path`` (``from a.b import c`` → ``a.b.c``
+    and ``a.b``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            yield from (alias.name.split(".")[0] for alias in node.names)
+            out |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.module.split(".")[0]
+            out.add(node.module)
+            out |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return out
 
 
-@pytest.mark.parametrize("path", list(_pure_files()))
-def test_pure_module_has_no_forbidden_import(path):
-    roots = set(_imported_roots(ast.parse(path.read_text())))
-    assert not roots & FORBIDDEN, f"{path} imports {roots & FORBIDDEN}"
+def _params(packages):
+    return [pytest.param(pkg, path, id=str(path.relative_to(ROOT)))
+            for pkg in packages for path in _files(pkg)]
 
 
-def test_importing_pure_packages_loads_no_ray_or_vllm():
+def _matches(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_every_package_has_a_layer():
+    found = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert found == set(MAY_IMPORT), "a package without a layer in MAY_IMPORT (or a stale one)"
+
+
+@pytest.mark.parametrize("pkg, path", _params(sorted(FORBIDDEN)))
+def test_no_forbidden_third_party_import(pkg, path):
+    bad = {n for n in _imports(path) for f in FORBIDDEN[pkg] if _matches(n, f)}
+    assert not bad, f"{path.relative_to(ROOT)} ({pkg}/) imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("pkg, path", _params(sorted(MAY_IMPORT)))
+def test_imports_only_point_down(pkg, path):
+    ours = {n.split(".")[1] for n in _imports(path) if _matches(n, "ray_xlong") and "." in n}
+    upward = ours - MAY_IMPORT[pkg] - BOTTOM - {pkg}
+    assert not upward, (f"{path.relative_to(ROOT)} ({pkg}/) imports {sorted(upward)}; "
+                        f"{pkg}/ may import {sorted(MAY_IMPORT[pkg])}")
+
+
+@pytest.mark.parametrize("pkg", sorted(MAY_IMPORT))
+def test_package_docstring_says_what_lives_there(pkg):
+    doc = ast.get_docstring(ast.parse((PACKAGE / pkg / "__init__.py").read_text()))
+    assert doc and "import" in doc.lower(), f"ray_xlong/{pkg}/__init__.py: no docstring saying " \
+                                            "what lives there and what it may import"
+
+
+@pytest.mark.parametrize("pkg", sorted(FORBIDDEN))
+def test_importing_the_package_loads_nothing_forbidden(pkg):
     modules = []
-    for pkg in PURE:
-        base = ROOT / "ray_xlong" / pkg
-        for path in sorted(base.rglob("*.py")):
-            rel = path.relative_to(ROOT).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            modules.append(".".join(parts))
+    for path in _files(pkg):
+        parts = [p for p in path.relative_to(ROOT).with_suffix("").parts if p != "__init__"]
+        modules.append(".".join(parts))
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}:\n"
         "    importlib.import_module(m)\n"
-        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FORBIDDEN)!r})\n"
+        f"bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') "
+        f"for f in {FORBIDDEN[pkg]!r}))\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "", f"pure packages pulled in: {out.stdout.strip()}"
+    assert out.stdout.strip() == "", f"{pkg}/ pulled in: {out.stdout.strip()[:300]}"

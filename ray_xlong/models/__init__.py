@@ -1,5 +1,7 @@
 """Locally built models (no hub downloads): tiny HF causal LMs, a local tokenizer, a model
-directory both HF and vLLM load, and a supervised warm start."""
+directory both HF and vLLM load, and a supervised warm start.
+
+May import: torch, transformers, tokenizers and ``trajectory`` (the tree attention)."""
 
 from ray_xlong.models.build import build_tiny_model_dir, load_model, load_tokenizer
 from ray_xlong.models.tiny import TinyModelConfig, tiny_causal_lm

@@ -1,4 +1,8 @@
-"""Ray and RLlib adapters: the only layer (with rollout) that imports ray.
+"""The adapter to RLlib, and only that: ``XLongAlgorithm`` / ``XLongConfig`` + ``.xlong()``,
+``enable()``, the RLModule and ``XLongLearner``, ``AgentEnvRunner`` / ``CellRunner`` (what a
+cell hosts: ``cell_actors``), the ``PrefixTreeConnector`` and the episode format.
+
+May import: ray.rllib, ``cells`` (the runtime it drives) and every layer below.
 
 * :class:`PrefixTreeConnector` — a Learner ``ConnectorV2`` piece running the trajectory processor.
 * :func:`run_to_episode` / :func:`runs_from_episodes` — how an ended ``AgentRun`` travels on an

@@ -27,8 +27,9 @@ groups the algorithm creates itself.
 
 Limits (said, not hidden): a checkpoint holds the trained state, not runs in flight or ended
 runs not trained yet (they are re-sampled after a restore, on fresh task instances); RLlib's
-evaluation and learner-connector pipeline are not run (the trajectory processor is the
-connector; see ``enable.py``).
+evaluation is not run. The Learner connector pipeline is: each training cell's XLongLearner
+runs the user's learner connector pieces, then ``PrefixTreeConnector`` (RLlib's order), on the
+episodes of the runs it trains (``XLongLearner.accumulate_runs``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from ray.tune.execution.placement_groups import PlacementGroupFactory
 
 from ray_xlong.rllib import results as rx_results
 from ray_xlong.rllib.algorithm_config import XLongConfig
-from ray_xlong.rllib.stepping import StepReport, SteppingActuator
+from ray_xlong.cells.stepping import StepReport, SteppingActuator
 
 XLONG = "xlong"
 """Result key of the xlong metrics."""
@@ -82,7 +83,8 @@ class XLongAlgorithm(Algorithm):
     def setup(self, config: XLongConfig) -> None:
         """Cells up, callbacks made, ``on_algorithm_init`` fired (no RLlib EnvRunnerGroup:
         the cells' runners are the env runners)."""
-        from ray_xlong.rllib.cells import create_cells
+        from ray_xlong.cells.pool import create_cells
+        from ray_xlong.rllib.cell_actors import cell_actors
         from ray_xlong.rllib.env_runner import RolloutConfig
 
         update_global_seed_if_necessary("torch", self.config.seed)
@@ -100,8 +102,11 @@ class XLongAlgorithm(Algorithm):
         rollout = RolloutConfig(model_dir=self.job.learner.model_dir, backend=opt.engine,
                                 harness=opt.harness, max_batch_size=opt.slots_per_cell,
                                 seed=int(self.config.seed or 0))
-        self.pool = create_cells(self.job.layout, rollout=rollout, learner=self.job.learner,
-                                 seed=int(self.config.seed or 0), spool_dir=self.job.spool_dir)
+        actors = cell_actors(rollout=rollout, learner=self.job.learner,
+                             processor=self.job.processor, seed=int(self.config.seed or 0),
+                             spool_dir=self.job.spool_dir,
+                             learner_connector=self.config._learner_connector)
+        self.pool = create_cells(self.job.layout, actors=actors)
         self.actuator: SteppingActuator | None = None
         self.policy_version = 0
         self._start_state: dict[str, Any] | None = None
@@ -121,7 +126,7 @@ class XLongAlgorithm(Algorithm):
         self._log(report)
 
     def _start_actuator(self) -> SteppingActuator:
-        from ray_xlong.rllib.config import make_policy
+        from ray_xlong.cells.config import make_policy
 
         version = self.policy_version
         job = self.config.job_config(group_offset=version * self.config.groups_per_step)
@@ -139,8 +144,8 @@ class XLongAlgorithm(Algorithm):
         """RLlib's standard keys (``results.py``) and the ``xlong/`` ones."""
         m = self.metrics
         learner = rx_results.learner_metrics(rx_results.collect_learner_stats(
-            self.actuator.group.learners, version=report.version - 1))
-        finish = self.actuator.stats.get("step_finish_s") or [0.0]
+            self.actuator.learners.learners, version=report.version - 1))
+        finish = self.actuator.actuator.stats.get("step_finish_s") or [0.0]
         rx_results.log_step(m, report=report, learner=learner,
                             agent=report.agent,
                             times=rx_results.step_times(step_s=report.step_s, learner=learner,
@@ -156,7 +161,7 @@ class XLongAlgorithm(Algorithm):
         are the env runners of ``fault_tolerance``."""
         out = super()._compile_iteration_results(train_results=train_results,
                                                  eval_results=eval_results)
-        act = self.actuator
+        act = self.actuator.actuator if self.actuator is not None else None
         fault = rx_results.fault_tolerance(
             cells=self.job.layout.cells, retired=len(act.retired) if act else 0,
             recoveries=sum(f.get("kind") != "node_returned" for f in act.faults) if act else 0)
@@ -174,7 +179,7 @@ class XLongAlgorithm(Algorithm):
     def get_state(self, components=None, *, not_components=None, **kwargs) -> dict[str, Any]:
         """Learner state of the current version + ``training_iteration``."""
         if self.actuator is not None:
-            learner = ray.get(self.actuator.group.state_ref)
+            learner = ray.get(self.actuator.learners.state_ref)
         elif self._start_state is not None:
             learner = self._start_state
         else:

@@ -28,11 +28,11 @@ from typing import Any
 
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
 
+from ray_xlong.checks import is_int as _is_int
 from ray_xlong.rollout import HarnessConfig
+from ray_xlong.scheduling.modes import CELL_MODES as MODES  # the one mode registry
 from ray_xlong.trajectory import LossConfig
 
-MODES = ("colocated", "async", "elastic", "colocated+streaming", "async+streaming")
-"""Valid ``XLongOptions.mode`` values (the cell layer's modes)."""
 ENGINES = ("hf", "vllm")
 """Valid ``XLongOptions.engine`` values."""
 RECIPE_HARNESS = HarnessConfig(max_new_tokens=8, max_calls=4, max_retries=1)
@@ -90,7 +90,7 @@ class XLongOptions:
     """Longest the driver waits for an actor report before deciding again."""
     spool_dir: str | None = None
     """Where runners spool ended runs before handing them over (storage every node sees):
-    with it a lost runner loses no finished run (``ray_xlong/rllib/spool.py``). Runner,
+    with it a lost runner loses no finished run (``ray_xlong/cells/spool.py``). Runner,
     learner and node losses are recovered with or without it."""
 
     def __post_init__(self) -> None:
@@ -121,10 +121,6 @@ class XLongOptions:
         from ray_xlong.rollout.tasks import TASKS
 
         _check(self.task in TASKS, "task", f"one of {sorted(TASKS)}", self.task)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, field: str, want: str, got: Any) -> None:
@@ -203,11 +199,11 @@ class XLongConfig(AlgorithmConfig):
         self.job_config(group_offset=0)
 
     def job_config(self, *, group_offset: int):
-        """The cell layer's job record (``ray_xlong.rllib.config.XLongConfig``)."""
-        from ray_xlong.rllib.cells import CellLayout
-        from ray_xlong.rllib.config import CellJobConfig
-        from ray_xlong.rllib.learner import LearnerSettings
-        from ray_xlong.rllib.task_job import TaskJob
+        """The cell layer's job record (``ray_xlong.cells.config.XLongConfig``)."""
+        from ray_xlong.cells.pool import CellLayout
+        from ray_xlong.cells.config import CellJobConfig
+        from ray_xlong.cells.config import LearnerSettings
+        from ray_xlong.cells.task_job import TaskJob
         from ray_xlong.scheduling import SchedulingConfig
         from ray_xlong.trajectory import ProcessorConfig
 

@@ -48,7 +48,6 @@ already in the batch raise, naming the episode / run / module; with
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Mapping
 
@@ -57,21 +56,12 @@ import torch
 from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-from ray_xlong.rllib.episodes import runs_by_module
+from ray_xlong.rllib.episodes import processed_by_run, runs_by_module
 from ray_xlong.trajectory import BatchStats, PackedBatch, ProcessorConfig, TrajectoryProcessor
+from ray_xlong.trajectory.packing import LAYOUT_CODES, TENSOR_KEYS  # noqa: F401 (re-exported)
+from ray_xlong.trajectory.per_run import merge_stats, pack_runs, process_run
 
 logger = logging.getLogger(__name__)
-
-LAYOUT_CODES: tuple[str, ...] = ("tree", "per_trajectory")
-"""``batch[module_id]["layout"]`` holds the index of the layout in this tuple."""
-
-TENSOR_KEYS: tuple[str, ...] = (
-    "input_ids", "position_ids", "attention_mask", "valid", "target_row", "target_src",
-    "target_ids", "behaviour_logprobs", "policy_versions", "advantages", "loss_scale",
-    "target_run",
-)
-"""The ``PackedBatch`` tensor fields of a module batch (same names), besides ``layout`` and
-``run_ids``."""
 
 METRIC_KEYS: dict[str, str] = {
     "runs": "xlong/runs",
@@ -90,6 +80,12 @@ METRIC_KEYS: dict[str, str] = {
 }
 """``BatchStats`` field (plus ``num_targets`` / ``num_positions`` of the packed batch) → metric
 key under the module id; logged with ``reduce="sum"``."""
+
+ADVANTAGES_KEY = "xlong_advantages"
+"""``shared_data[ADVANTAGES_KEY]``: run id → advantage, set by the elastic step on a training
+cell (advantages are per group, a micro-batch may hold part of one). With it the piece packs the
+runs with those advantages and *un-normalised* ``loss_scale`` (the step divides by its total),
+reusing each run's ``ProcessedRun`` when the episode carries one (``episodes.PROCESSED_KEY``)."""
 
 DEDUP_RATIO_KEY = "xlong/dedup_ratio"
 """``total_tokens / unique_tokens`` of the update (the tree-training speedup bound), mean."""
@@ -128,24 +124,36 @@ class PrefixTreeConnector(ConnectorV2):
             rl_module: the Learner's (Multi)RLModule (unused).
             batch: the pipeline's batch so far; ``batch[module_id]`` is added per module.
             episodes: episodes carrying ended runs (see ``episodes.run_to_episode``).
-            explore, shared_data: RLlib's pipeline arguments (unused).
+            explore: RLlib's pipeline argument (unused).
+            shared_data: RLlib's per-call dict; :data:`ADVANTAGES_KEY` switches to the
+                training-cell mode (see there).
             metrics: the Learner's MetricsLogger (None: nothing logged).
             **kwargs: RLlib's pipeline arguments (``data``, ``metrics_prefix_key``; unused).
 
         Returns:
             ``batch`` with ``batch[module_id]`` set (format: module docstring).
         """
+        advantages = (shared_data or {}).get(ADVANTAGES_KEY)
+        processed = processed_by_run(episodes) if advantages is not None else {}
         for module_id, runs in runs_by_module(episodes).items():
             if module_id in batch:
                 raise ValueError(f"PrefixTreeConnector: batch already has an entry for module "
                                  f"{module_id!r}; this piece must be the one that builds it")
-            result = self._processor.process(runs)
-            for run_id, error in result.malformed.items():
+            if advantages is None:
+                result = self._processor.process(runs)
+                packed, stats, malformed = result.packed, result.stats, result.malformed
+            else:
+                done = [processed.get(r.run_id) or process_run(r, self.config) for r in runs]
+                packed = pack_runs(done, advantages, config=self.config)
+                stats = merge_stats([p.digest.stats for p in done])
+                malformed = {p.digest.run_id: p.digest.malformed for p in done
+                             if p.digest.malformed}
+            for run_id, error in malformed.items():
                 logger.warning("PrefixTreeConnector: module %r: malformed run %r left out: %s",
                                module_id, run_id, error)
-            batch[module_id] = batch_from_packed(result.packed)
+            batch[module_id] = packed.to_tensors()
             if metrics is not None:
-                log_stats(metrics, module_id=module_id, stats=result.stats, packed=result.packed)
+                log_stats(metrics, module_id=module_id, stats=stats, packed=packed)
         return batch
 
     def __str__(self, indentation: int = 0) -> str:
@@ -155,45 +163,14 @@ class PrefixTreeConnector(ConnectorV2):
 
 
 def batch_from_packed(packed: PackedBatch) -> dict[str, torch.Tensor]:
-    """The module-batch dict of a packed batch (format: module docstring; tensors shared)."""
-    out = {key: getattr(packed, key) for key in TENSOR_KEYS}
-    out["layout"] = torch.tensor([LAYOUT_CODES.index(packed.layout)], dtype=torch.int64)
-    encoded = json.dumps(list(packed.run_ids)).encode("utf-8")
-    out["run_ids"] = torch.tensor(list(encoded), dtype=torch.uint8)
-    return out
+    """The module-batch dict of a packed batch: :meth:`PackedBatch.to_tensors`."""
+    return packed.to_tensors()
 
 
 def packed_from_batch(module_batch: Mapping[str, Any]) -> PackedBatch:
-    """Rebuild the :class:`PackedBatch` from a module batch written by the connector.
-
-    Extra keys (e.g. RLlib default columns) are ignored; tensors are taken as they are (no
-    copy, any device).
-
-    Args:
-        module_batch: ``batch[module_id]`` (a dict or RLlib ``SampleBatch``).
-
-    Returns:
-        The packed batch, ready for ``token_logprobs`` / ``policy_loss``.
-
-    Raises:
-        KeyError: a field is missing (named). TypeError: a tensor field is not a tensor.
-    """
-    missing = [k for k in (*TENSOR_KEYS, "layout", "run_ids") if k not in module_batch]
-    if missing:
-        raise KeyError(f"packed_from_batch: module batch lacks {missing} (was it written by "
-                       f"PrefixTreeConnector?)")
-    for key in (*TENSOR_KEYS, "layout", "run_ids"):
-        if not isinstance(module_batch[key], torch.Tensor):
-            raise TypeError(f"packed_from_batch: {key} must be a torch.Tensor, got "
-                            f"{type(module_batch[key]).__name__}")
-    fields = {key: module_batch[key] for key in TENSOR_KEYS}
-    code = int(module_batch["layout"].reshape(-1)[0])
-    if not 0 <= code < len(LAYOUT_CODES):
-        raise ValueError(f"packed_from_batch: layout code {code} is not one of "
-                         f"{dict(enumerate(LAYOUT_CODES))}")
-    encoded = bytes(module_batch["run_ids"].detach().cpu().numpy().astype("uint8"))
-    run_ids = tuple(json.loads(encoded.decode("utf-8")))
-    return PackedBatch(layout=LAYOUT_CODES[code], run_ids=run_ids, **fields)
+    """Rebuild the :class:`PackedBatch` of a module batch: :meth:`PackedBatch.from_tensors`
+    (extra keys such as RLlib default columns are ignored; errors name the field)."""
+    return PackedBatch.from_tensors(module_batch)
 
 
 def log_stats(metrics: MetricsLogger, *, module_id: str, stats: BatchStats,

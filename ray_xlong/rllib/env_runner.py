@@ -38,6 +38,7 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.env.env_runner import EnvRunner
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
+from ray_xlong.cells.runs import RunSpec  # noqa: F401 (re-exported: what start_runs takes)
 from ray_xlong.rllib.episodes import RUN_ACTION_SPACE, RUN_OBSERVATION_SPACE, run_to_episode
 from ray_xlong.rollout import Engine, HFEngine, Harness, HarnessConfig, RunResult, load_chat_format
 from ray_xlong.rollout.tasks import TASKS, UnknownTaskError, make_task
@@ -73,20 +74,6 @@ class RolloutConfig:
                              f"got {self.backend!r}")
         if not isinstance(self.harness, HarnessConfig):
             raise ValueError("RolloutConfig.harness must be a HarnessConfig")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RunSpec:
-    """One run to start."""
-
-    task: str
-    """Registered task name (``ray_xlong.rollout.tasks.TASKS``)."""
-    seed: int
-    """Task seed (runs of a group share it)."""
-    run_id: str
-    """Unique run id."""
-    group_id: str
-    """The run's group."""
 
 
 class AgentEnvRunner(EnvRunner):

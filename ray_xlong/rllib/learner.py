@@ -5,7 +5,9 @@ RLlib's ``Learner.update`` runs a whole batch on a fixed group; a cell's Learner
 part in a step for as many micro-batches as the scheduler gives it, so the step is split::
 
     wake_up(state, version)        load the step's weights + optimizer state if behind
-    accumulate(micro) × k          grad += ∇ Σ loss_scale · ℓ   (un-normalised; local, no reduce)
+    accumulate(micro) × k          grad += ∇ Σ loss_scale · ℓ   (un-normalised; local, no reduce;
+                                   ``trajectory.accumulate.accumulate_loss``, the one shared
+                                   implementation; tree rows attend with ``xlong_tree``)
     take_gradients()               → {param name: summed grad} (zeros if it took no micro-batch)
     apply_step(grads, total)       grad = Σ grads / total; one optimizer step; version + 1
     get_state() / get_weights()    what joiners and engines load
@@ -28,71 +30,46 @@ the cell gives them CPU from its bundle (``cells.py``).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 import torch
+from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 
-from ray_xlong.rllib.connector import packed_from_batch
+from ray_xlong.cells.config import DTYPES, LearnerSettings  # noqa: F401 (re-exported)
+from ray_xlong.rllib.connector import ADVANTAGES_KEY, PrefixTreeConnector
 from ray_xlong.rllib.results import LearnerStepStats
-from ray_xlong.trajectory.loss import LossConfig, policy_loss
-from ray_xlong.trajectory.loss_stats import LossStats, loss_stats
+from ray_xlong.trajectory import ProcessorConfig
+from ray_xlong.trajectory.accumulate import accumulate_loss
+from ray_xlong.trajectory.loss import policy_loss
+from ray_xlong.trajectory.loss_stats import LossStats
 from ray_xlong.trajectory.model import token_logprobs
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-"""``LearnerSettings.dtype`` names."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LearnerSettings:
-    """What a cell's Learner trains and how."""
-
-    model_dir: str
-    """Model directory (``ray_xlong.models.build_tiny_model_dir``); engines load the same."""
-    lr: float = 1e-4
-    """Adam learning rate."""
-    loss: LossConfig = LossConfig()
-    """Token loss form (PPO clip / truncated IS)."""
-    dtype: str = "float32"
-    """Training dtype: one of :data:`DTYPES`."""
-    micro_batch_tokens: int = 4096
-    """Token budget of one micro-batch (rows × width)."""
-    grad_clip: float | None = None
-    """Global-norm clip of the reduced gradient before the optimizer step (None: no clip)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model_dir, str) or not self.model_dir:
-            raise ValueError(f"LearnerSettings.model_dir must be a path string, "
-                             f"got {self.model_dir!r}")
-        if not self.lr > 0:
-            raise ValueError(f"LearnerSettings.lr must be > 0, got {self.lr!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"LearnerSettings.dtype must be one of {sorted(DTYPES)}, "
-                             f"got {self.dtype!r}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"LearnerSettings.grad_clip must be > 0 or None, "
-                             f"got {self.grad_clip!r}")
-        if self.micro_batch_tokens < 1:
-            raise ValueError(f"LearnerSettings.micro_batch_tokens must be >= 1, "
-                             f"got {self.micro_batch_tokens!r}")
+from ray_xlong.trajectory.packing import PackedBatch
 
 
 class XLongModule(TorchRLModule):
-    """An RLModule holding a HF causal LM (``model_config``: ``model_dir``, ``dtype``)."""
+    """An RLModule holding a HF causal LM (``model_config``: ``model_dir``, ``dtype``,
+    ``attn_implementation`` — ``LearnerSettings.model_attention``, default ``xlong_tree``)."""
 
     def setup(self) -> None:
         from ray_xlong.models import load_model
+        from ray_xlong.trajectory.tree_attention import ATTN_IMPLEMENTATION
+        from ray_xlong.trajectory.tree_attention import register as register_tree_attention
 
         from ray_xlong.models.tiny import full_precision_norms
 
         cfg = self.model_config or {}
-        self.lm = load_model(cfg["model_dir"], dtype=DTYPES[cfg.get("dtype", "float32")])
+        attention = cfg.get("attn_implementation", "xlong_tree")
+        if attention == ATTN_IMPLEMENTATION:
+            register_tree_attention()
+        self.lm = load_model(cfg["model_dir"], dtype=DTYPES[cfg.get("dtype", "float32")],
+                             attn_implementation=attention)
         if cfg.get("dtype") == "float64":
             full_precision_norms(self.lm)  # HF norms compute in fp32 otherwise
         self.lm.train()
@@ -121,11 +98,9 @@ class XLongLearner(TorchLearner):
     def compute_loss_for_module(self, *, module_id: str, config: Any = None,
                                 batch: Mapping[str, Any], fwd_out: Any = None) -> torch.Tensor:
         """``Σ loss_scale · ℓ`` of one packed module batch (see ``trajectory.loss``)."""
-        packed = packed_from_batch(batch)
-        logprobs = token_logprobs(self.module[module_id].lm, packed)
-        loss, _ = policy_loss(logprobs, packed, self.settings.loss)
-        self.last_loss_stats = loss_stats(logprobs, packed, self.settings.loss,
-                                          loss=float(loss.detach()))
+        packed = PackedBatch.from_tensors(batch)
+        loss, _ = policy_loss(token_logprobs(self.module[module_id].lm, packed), packed,
+                              self.settings.loss)
         return loss
 
     # -- the elastic step ----------------------------------------------------------------------
@@ -133,19 +108,49 @@ class XLongLearner(TorchLearner):
                    version: int | None = None) -> int:
         """Add ``∇ loss(micro_batch)`` to the local gradient; returns its targets. ``version``:
         the weights the step trains (raises if this learner holds others)."""
-        if self.asleep:
-            raise RuntimeError("XLongLearner.accumulate: the learner is asleep (wake_up first)")
-        if version is not None and version != self.version:
-            raise RuntimeError(f"XLongLearner.accumulate: learner at version {self.version}, "
-                               f"the step trains version {version} (reload its state first)")
+        self._check_version("accumulate", version)
+        return self._train(PackedBatch.from_tensors(micro_batch))
+
+    def _train(self, packed: PackedBatch) -> int:
+        """Accumulate one packed micro-batch's gradient; note its loss statistics and time."""
         start = time.perf_counter()
-        loss = self.compute_loss_for_module(module_id=DEFAULT_MODULE_ID, batch=micro_batch)
-        loss.backward()
-        self._note_step(loss=self.last_loss_stats, train_s=time.perf_counter() - start)
-        n = int(micro_batch["target_ids"].numel())
+        part = accumulate_loss(self.lm, packed, config=self.settings.loss)
+        self._note_step(loss=part.stats, train_s=time.perf_counter() - start)
         self.micro_batches += 1
-        self.tokens += n
-        return n
+        self.tokens += part.targets
+        return part.targets
+
+    def accumulate_runs(self, run_ids: Sequence[str], advantages: Sequence[float],
+                        version: int | None, *payloads: Sequence[Any]) -> int:
+        """Train the runs ``run_ids`` (with their group-wide ``advantages``) as one
+        micro-batch: their episodes go through this Learner's connector pipeline — the user's
+        learner connector pieces, then ``PrefixTreeConnector`` packing them (RLlib's order) —
+        and the packed batch's loss gradient is added locally. Returns its targets.
+
+        Args:
+            run_ids: the runs of the micro-batch.
+            advantages: their advantages, in the same order.
+            version: the weights the step trains (raises if this learner holds others).
+            *payloads: lists of episodes from the rollout cells where the runs ended (Ray
+                resolves the refs; episodes of other runs are ignored).
+        """
+        self._check_version("accumulate_runs", version)
+        wanted = dict(zip(run_ids, advantages))
+        episodes = {e.id_: e for p in payloads for e in p if e.id_ in wanted}
+        missing = sorted(set(wanted) - set(episodes))
+        if missing:
+            raise ValueError(f"XLongLearner.accumulate_runs: payloads lack runs {missing}")
+        batch = self._learner_connector(
+            rl_module=self.module, batch={}, episodes=[episodes[r] for r in run_ids],
+            shared_data={ADVANTAGES_KEY: wanted}, metrics=self.metrics)
+        return self._train(PackedBatch.from_tensors(batch[DEFAULT_MODULE_ID]))
+
+    def _check_version(self, call: str, version: int | None) -> None:
+        if self.asleep:
+            raise RuntimeError(f"XLongLearner.{call}: the learner is asleep (wake_up first)")
+        if version is not None and version != self.version:
+            raise RuntimeError(f"XLongLearner.{call}: learner at version {self.version}, "
+                               f"the step trains version {version} (reload its state first)")
 
     def take_gradients(self) -> dict[str, torch.Tensor]:
         """The summed local gradient by parameter name (zeros where none), then cleared."""
@@ -243,14 +248,18 @@ class XLongLearner(TorchLearner):
         self.step_stats = {v: s for v, s in self.step_stats.items() if v > version}
         return out
 
-    def xlong_metrics(self) -> dict[str, int]:
-        """Micro-batches and target tokens trained so far, and the version."""
-        return {"micro_batches": self.micro_batches, "tokens": self.tokens,
-                "version": self.version}
-
-
-def learner_config(settings: LearnerSettings, *, seed: int = 0):
+def learner_config(settings: LearnerSettings, *, seed: int = 0,
+                   processor: ProcessorConfig = ProcessorConfig(),
+                   learner_connector: Callable[..., Any] | None = None):
     """The ``AlgorithmConfig`` and ``RLModuleSpec`` an :class:`XLongLearner` is built from.
+
+    Args:
+        settings: model, optimizer, loss, attention.
+        seed: RLlib's seed.
+        processor: the ``PrefixTreeConnector``'s configuration (layout, K, normalisation).
+        learner_connector: the user's ``AlgorithmConfig.learners(learner_connector=...)``
+            builder (``(obs_space, act_space) -> piece | [pieces]``); its pieces run first,
+            then ``PrefixTreeConnector`` (RLlib's order: custom pieces, then the batch builder).
 
     Returns:
         ``(config, module_spec)``: ``XLongLearner(config=config, module_spec=spec).build()``.
@@ -265,18 +274,25 @@ def learner_config(settings: LearnerSettings, *, seed: int = 0):
               .framework("torch")
               .training(lr=settings.lr)
               .learners(num_learners=0, num_gpus_per_learner=0,
-                        learner_config_dict={"xlong": settings})
+                        learner_config_dict={"xlong": settings},
+                        learner_connector=functools.partial(
+                            learner_pipeline, user=learner_connector, processor=processor),
+                        add_default_connectors_to_learner_pipeline=False)
               .debugging(seed=seed))
     spec = MultiRLModuleSpec(rl_module_specs={DEFAULT_MODULE_ID: RLModuleSpec(
         module_class=XLongModule, observation_space=RUN_OBSERVATION_SPACE,
         action_space=RUN_ACTION_SPACE,
-        model_config={"model_dir": settings.model_dir, "dtype": settings.dtype})})
+        model_config={"model_dir": settings.model_dir, "dtype": settings.dtype,
+                      "attn_implementation": settings.model_attention})})
     return config, spec
 
 
-def build_learner(settings: LearnerSettings, *, seed: int = 0) -> XLongLearner:
-    """An in-process, built :class:`XLongLearner` (tests, single-cell use)."""
-    config, spec = learner_config(settings, seed=seed)
-    learner = XLongLearner(config=config, module_spec=spec)
-    learner.build()
-    return learner
+def learner_pipeline(input_observation_space: Any, input_action_space: Any, *,
+                     user: Callable[..., Any] | None,
+                     processor: ProcessorConfig) -> list[ConnectorV2]:
+    """The Learner connector pieces of a cell's Learner: ``user(obs, act)``'s pieces (a piece or
+    a list), then :class:`PrefixTreeConnector` (which builds the module batch)."""
+    pieces = [] if user is None else user(input_observation_space, input_action_space)
+    pieces = [pieces] if isinstance(pieces, ConnectorV2) else list(pieces)
+    return [*pieces, PrefixTreeConnector(input_observation_space, input_action_space,
+                                         config=processor)]

@@ -9,6 +9,8 @@
 * ``tasks/`` — the task interface and the arithmetic, code and long-horizon tasks.
 
 ``vllm_engine`` is not imported here (vLLM is optional).
+
+May import: ``models`` and ``trajectory`` (never ``cells``, ``rllib`` or ``tools``).
 """
 
 from ray_xlong.rollout.chat import (Answer, ChatFormat, ChatFormatError, Malformed, ToolCall,

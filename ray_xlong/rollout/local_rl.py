@@ -1,4 +1,8 @@
-"""A single-process RL loop with real parts: the core the Ray/RLlib loop calls per step.
+"""A single-process RL loop with real parts, for tests and quick experiments (no Ray).
+
+The product (``XLongAlgorithm``) does not call this loop; it shares its parts: the trajectory
+processor, and the one training step ``trajectory.accumulate.accumulate_loss`` that the cells'
+Learner runs too.
 
 One process, no Ray: a tiny transformer (learner, tree attention), an HF engine sampling at
 temperature 1 (its own copy of the weights), the agent harness and a task's verifiable reward,
@@ -11,8 +15,8 @@ the trajectory processor, the PPO / TIS loss and AdamW::
         micro-batches ──► train_step: Σ policy_loss ∇ ─► clip ─► AdamW step
         engine.update_weights(learner.state_dict(), version = step)    (between batches)
 
-Pieces are small and reusable: :func:`rollout` (runs of one step), :func:`train_step` (one
-optimizer step on packed micro-batches), :func:`push_weights`, and the checked warm start of
+Pieces are small: :func:`rollout` (runs of one step), :func:`train_step` (one optimizer step on
+packed micro-batches, each through ``accumulate_loss``), :func:`push_weights`, and the checked warm start of
 ``warm_start.py``; :func:`run_local_rl` strings them together and returns the per-step reward curve.
 
 Measured (16 groups × 8 runs, lr 5e-4; 2 shared CPU cores) with the earlier unchecked warm
@@ -37,6 +41,7 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 import torch
 
+from ray_xlong.checks import check_int
 from ray_xlong.models import build_tiny_model_dir, load_model
 from ray_xlong.rollout.chat import ChatFormat, format_for_tokenizer, load_chat_format
 from ray_xlong.rollout.engine import Engine
@@ -45,8 +50,8 @@ from ray_xlong.rollout.hf_engine import HFEngine
 from ray_xlong.rollout.tasks import make_task
 from ray_xlong.rollout.warm_start import WarmStartConfig, warm_start_policy
 from ray_xlong.trajectory import (AgentRun, LossConfig, PackedBatch, ProcessorConfig,
-                                  TrajectoryProcessor, policy_loss)
-from ray_xlong.trajectory.model import token_logprobs
+                                  TrajectoryProcessor)
+from ray_xlong.trajectory.accumulate import accumulate_loss
 from ray_xlong.trajectory.packing import micro_batches
 
 
@@ -81,9 +86,7 @@ class LocalRLConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "groups", "runs_per_group", "micro_batch_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LocalRLConfig.{name} must be an int >= 1, got {value!r}")
+            check_int("LocalRLConfig", name, getattr(self, name), minimum=1)
         if not self.lr > 0:
             raise ValueError(f"LocalRLConfig.lr must be > 0, got {self.lr!r}")
         if not self.grad_clip >= 0:
@@ -189,15 +192,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.zero_grad(set_to_none=True)
     loss_sum, ratio_sum, clip_sum, targets = 0.0, 0.0, 0.0, 0
     for micro in packed_batches:
-        n = int(micro.target_ids.numel())
-        if n == 0:
-            continue
-        loss, stats = policy_loss(token_logprobs(model, micro), micro, loss_config)
-        loss.backward()
-        loss_sum += float(loss.detach())
-        ratio_sum += stats["ratio_mean"] * n
-        clip_sum += stats["clip_frac"] * n
-        targets += n
+        part = accumulate_loss(model, micro, config=loss_config)
+        loss_sum += part.loss
+        ratio_sum += part.ratio_mean * part.targets
+        clip_sum += part.clip_frac * part.targets
+        targets += part.targets
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     optimizer.step()

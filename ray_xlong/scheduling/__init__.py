@@ -1,8 +1,10 @@
 """Cell state machine and mode policies (pure: no ray, no vllm, no torch).
 
 Deciding (``policy.decide(state, event) -> moves``) is separate from acting (the simulator in
-``ray_xlong.sim``, the Ray driver in ``ray_xlong.rllib``); :class:`CellMachine` validates every
-move for both.
+``ray_xlong.sim``, the Ray actuator in ``ray_xlong.cells``); :class:`CellMachine` validates
+every move for both.
+
+May import: the standard library only (nothing else of ours).
 """
 
 from ray_xlong.scheduling.asynchronous import AsyncPolicy

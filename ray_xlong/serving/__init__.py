@@ -8,4 +8,6 @@
 * ``server.py`` — uvicorn on the engine's loop; ``agents.py`` — external agents as tasks.
 
 Nothing is imported here: vLLM's protocol models are imported where they are used.
+May import ``rollout``, ``models`` and ``trajectory`` (and ``ray`` for the ``serve`` cell), never
+``ray.rllib``: the RLlib runner (``rllib/env_runner.py``) and the cells host it.
 """

@@ -2,6 +2,8 @@
 
 ``simulate(policy, workload=..., cluster=..., costs=..., config=...)`` runs a scheduling policy
 unchanged against a virtual clock and returns a :class:`SimResult` with the event log.
+
+May import: ``scheduling`` (the policies it runs); no ray, vllm or torch.
 """
 
 from ray_xlong.sim.cluster import ClusterConfig, CostConfig

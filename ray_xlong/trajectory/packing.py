@@ -32,7 +32,8 @@ block-diagonal across runs. Padding attends only to itself.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Sequence
+import json
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +43,17 @@ from ray_xlong.trajectory.records import AgentRun
 from ray_xlong.trajectory.tree import PrefixTree, TreeNode
 
 Layout = Literal["tree", "per_trajectory"]
+
+LAYOUT_CODES: tuple[str, ...] = ("tree", "per_trajectory")
+"""``PackedBatch.to_tensors()["layout"]`` holds the index of the layout in this tuple."""
+
+TENSOR_KEYS: tuple[str, ...] = (
+    "input_ids", "position_ids", "attention_mask", "valid", "target_row", "target_src",
+    "target_ids", "behaviour_logprobs", "policy_versions", "advantages", "loss_scale",
+    "target_run",
+)
+"""The tensor fields of :class:`PackedBatch` (same names in its tensor form), besides
+``layout`` and ``run_ids``."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -88,6 +100,41 @@ class PackedBatch:
         """Non-padding positions: what a forward pass must compute."""
         return int(self.valid.sum())
 
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The batch as a flat dict of tensors (what RLlib module batches, the object store and
+        the Learner carry): every tensor field by name (shared, not copied), ``layout`` as a
+        ``[1]`` int64 index into :data:`LAYOUT_CODES`, ``run_ids`` as ``[n]`` uint8 UTF-8 JSON."""
+        out = {key: getattr(self, key) for key in TENSOR_KEYS}
+        out["layout"] = torch.tensor([LAYOUT_CODES.index(self.layout)], dtype=torch.int64)
+        encoded = json.dumps(list(self.run_ids)).encode("utf-8")
+        out["run_ids"] = torch.tensor(list(encoded), dtype=torch.uint8)
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, Any]) -> "PackedBatch":
+        """Rebuild a batch from :meth:`to_tensors` output (extra keys ignored; tensors taken as
+        they are: no copy, any device).
+
+        Raises:
+            KeyError: a field is missing (named). TypeError: a field is not a tensor.
+            ValueError: the layout code is unknown.
+        """
+        missing = [k for k in (*TENSOR_KEYS, "layout", "run_ids") if k not in tensors]
+        if missing:
+            raise KeyError(f"PackedBatch.from_tensors: the batch lacks {missing} (was it "
+                           f"written by PackedBatch.to_tensors?)")
+        for key in (*TENSOR_KEYS, "layout", "run_ids"):
+            if not isinstance(tensors[key], torch.Tensor):
+                raise TypeError(f"PackedBatch.from_tensors: {key} must be a torch.Tensor, got "
+                                f"{type(tensors[key]).__name__}")
+        code = int(tensors["layout"].reshape(-1)[0])
+        if not 0 <= code < len(LAYOUT_CODES):
+            raise ValueError(f"PackedBatch.from_tensors: layout code {code} is not one of "
+                             f"{dict(enumerate(LAYOUT_CODES))}")
+        encoded = bytes(tensors["run_ids"].detach().cpu().numpy().astype("uint8"))
+        return cls(layout=LAYOUT_CODES[code], run_ids=tuple(json.loads(encoded.decode("utf-8"))),
+                   **{key: tensors[key] for key in TENSOR_KEYS})
+
     def __repr__(self) -> str:
         r, l = self.input_ids.shape
         return (f"PackedBatch(layout={self.layout}, rows={r}, cols={l}, targets={self.num_targets}, "
@@ -128,7 +175,8 @@ def _segments(piece: RunPiece) -> list[_Seg]:
 
 
 def pack(pieces: Sequence[RunPiece], *, layout: Layout, loss_norm: str = "token",
-         row_tokens: int | None = 4096, pad_token_id: int = 0) -> PackedBatch:
+         row_tokens: int | None = 4096, pad_token_id: int = 0,
+         normalize: bool = True) -> PackedBatch:
     """Pack trained runs into one batch.
 
     Args:
@@ -139,12 +187,15 @@ def pack(pieces: Sequence[RunPiece], *, layout: Layout, loss_norm: str = "token"
         row_tokens: tree layout: the token budget of a row (a larger run gets a row of its own;
             None = one run per row). Ignored by ``per_trajectory``.
         pad_token_id: id written into padding.
+        normalize: divide by the batch's normalizer (default). False: ``loss_scale`` is the
+            count-once weight (``token``) or ÷ the run's trainable tokens only (``run``), for
+            batches whose normalizer is summed elsewhere (``per_run.normalizer``).
 
     Returns:
         The packed batch (``T`` = Σ unique trainable tokens; the same targets in both layouts).
     """
     segs = [_segments(p) for p in pieces]
-    meta = _target_meta(pieces, segs, loss_norm)
+    meta = _target_meta(pieces, segs, loss_norm, normalize)
     if layout == "tree":
         grid, where = _tree_grid(pieces, segs, row_tokens, pad_token_id)
     elif layout == "per_trajectory":
@@ -158,10 +209,10 @@ def pack(pieces: Sequence[RunPiece], *, layout: Layout, loss_norm: str = "token"
                        tuple(p.run.run_id for p in pieces), pos >= 0)
 
 
-def _target_meta(pieces, segs, loss_norm):
+def _target_meta(pieces, segs, loss_norm, normalize=True):
     lps, vers, advs, scale, run_idx = [], [], [], [], []
-    total = sum(s.hi - s.lo for run_segs in segs for s in run_segs)
-    n_runs = sum(1 for run_segs in segs if run_segs)
+    total = sum(s.hi - s.lo for run_segs in segs for s in run_segs) if normalize else 1
+    n_runs = sum(1 for run_segs in segs if run_segs) if normalize else 1
     for r, (piece, run_segs) in enumerate(zip(pieces, segs)):
         n_run = sum(s.hi - s.lo for s in run_segs)
         if loss_norm == "token":

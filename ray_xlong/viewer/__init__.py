@@ -2,6 +2,7 @@
 
 :func:`write_page` renders a recording's runs, their trajectories and prefix trees into one
 self-contained HTML page (``page.py``); with a tokenizer directory the tokens show as text.
+May import ``trajectory`` and ``models`` only (no ray, no vllm): the page is made offline.
 """
 
 from __future__ import annotations

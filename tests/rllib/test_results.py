@@ -26,13 +26,15 @@ pytestmark = [pytest.mark.ray, pytest.mark.rllib]
 ray = pytest.importorskip("ray")
 
 from ray_xlong.models import build_tiny_model_dir, load_model  # noqa: E402
-from ray_xlong.rllib.learner import LearnerSettings, build_learner  # noqa: E402
-from ray_xlong.rllib.learner_group import chunk  # noqa: E402
+from ray_xlong.cells.learner_group import plan_step  # noqa: E402
+from ray_xlong.rllib.episodes import run_to_episode  # noqa: E402
+from ray_xlong.rllib.learner import LearnerSettings, XLongLearner, learner_config  # noqa: E402
 from ray_xlong.rllib.results import (LearnerStepStats, learner_metrics,  # noqa: E402
                                      step_times)
 from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor, policy_loss  # noqa: E402
 from ray_xlong.trajectory.loss_stats import LossStats  # noqa: E402
 from ray_xlong.trajectory.model import token_logprobs  # noqa: E402
+from ray_xlong.trajectory.per_run import process_run  # noqa: E402
 from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_runs  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -51,13 +53,18 @@ def runs():
 
 @pytest.mark.parametrize("grad_clip", [None, 1e-3], ids=["no_clip", "clip"])
 def test_learner_reports_the_steps_loss_and_gradient_norm(model_dir, grad_clip):
-    learner = build_learner(LearnerSettings(model_dir=model_dir, grad_clip=grad_clip))
-    micro = chunk(runs(), processor=PROC, max_tokens=300)
+    config, spec = learner_config(LearnerSettings(model_dir=model_dir, grad_clip=grad_clip),
+                                  processor=PROC)
+    learner = XLongLearner(config=config, module_spec=spec)
+    learner.build()
+    processed = [process_run(r, PROC) for r in runs()]     # as a rollout cell does
+    episodes = [run_to_episode(r, processed=p) for r, p in zip(runs(), processed)]
+    micro, _ = plan_step([p.digest for p in processed], processor=PROC, max_tokens=300)
     assert len(micro) > 1
     for mb in micro:
-        learner.accumulate(mb.tensors, 0)
+        learner.accumulate_runs(mb.run_ids, mb.advantages, 0, episodes)
     grads = learner.take_gradients()
-    total = micro[0].weight
+    total = sum(mb.weight for mb in micro)
     want_norm = float(torch.sqrt(sum(((g / total).double() ** 2).sum() for g in grads.values())))
     learner.apply_step([grads], total, 1)
     stats = learner.take_step_stats(0)

@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import statistics
 
+from ray_xlong.cells.runs import run_key
 from ray_xlong.scheduling import Event
 
 
@@ -111,7 +112,7 @@ def check_invariants(result: RayResult, *, staleness_bound: int) -> list[str]:
         bad.append(f"staleness {worst} (groups) / {result.token_staleness_max} (tokens) "
                    f"exceeds the bound {staleness_bound}")
     trained = collections.Counter(r for step in result.trained_runs for r in step)
-    want = collections.Counter(f"r{r}" for r in ended)
+    want = collections.Counter(run_key(r) for r in ended)
     if trained != want:
         diff = (trained - want) + (want - trained)
         bad.append(f"ended runs not trained exactly once: {sorted(diff.items())[:10]}")

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from ray_xlong.rllib.task_job import (READY_MARKER, REPORT,  # noqa: E402
+from ray_xlong.cells.task_job import (READY_MARKER, REPORT,  # noqa: E402
                                       warm_started_model_dir)
 from ray_xlong.rollout.warm_start import WarmStartConfig  # noqa: E402
 

@@ -6,7 +6,7 @@ result = run_job(config, pool)                 policy of config.mode drives the 
 check_invariants(result, staleness_bound=b)    the event log obeys the cell invariants
 pool.shutdown()
 ```
-``python -m ray_xlong.rllib.driver`` runs a small elastic job on a local Ray and prints its
+``python -m ray_xlong.tools.driver`` runs a small elastic job on a local Ray and prints its
 summary.
 """
 
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from ray_xlong.rllib.actuator import RayActuator
-from ray_xlong.rllib.cells import CellPool, create_cells
-from ray_xlong.rllib.config import CellJobConfig, make_policy
+from ray_xlong.cells.actuator import RayActuator
+from ray_xlong.cells.pool import CellPool, create_cells
+from ray_xlong.cells.config import CellJobConfig, make_policy
+from ray_xlong.rllib.cell_actors import cell_actors
 from ray_xlong.rllib.env_runner import RolloutConfig
-from ray_xlong.rllib.metrics import RayResult, check_invariants
+from ray_xlong.cells.metrics import RayResult, check_invariants
 
 
 def rollout_config(config: CellJobConfig) -> RolloutConfig:
@@ -31,9 +32,11 @@ def rollout_config(config: CellJobConfig) -> RolloutConfig:
 
 def start_cells(config: CellJobConfig) -> CellPool:
     """Create the cells of ``config.layout`` on the connected Ray cluster (once per process)."""
-    return create_cells(config.layout, rollout=rollout_config(config), learner=config.learner,
-                        tasks=config.work.tasks(), seed=config.work.seed,
-                        spool_dir=config.spool_dir)
+    actors = cell_actors(rollout=rollout_config(config), learner=config.learner,
+                         processor=config.processor, tasks=config.work.tasks(),
+                         seed=config.work.seed,
+                         spool_dir=config.spool_dir)
+    return create_cells(config.layout, actors=actors)
 
 
 def run_job(config: CellJobConfig, pool: CellPool) -> RayResult:
@@ -48,8 +51,8 @@ def main() -> None:  # pragma: no cover - demo
     import ray
 
     from ray_xlong.models import build_tiny_model_dir
-    from ray_xlong.rllib.cells import CellLayout
-    from ray_xlong.rllib.learner import LearnerSettings
+    from ray_xlong.cells.pool import CellLayout
+    from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.scheduling import SchedulingConfig
 
     tmp = tempfile.mkdtemp(prefix="rx", dir="/tmp")

@@ -26,14 +26,12 @@ import tempfile
 import time
 from typing import Callable
 
-MODES = ("colocated", "async", "elastic")
-"""The paper's three modes."""
-ALL_MODES = MODES + ("colocated+streaming", "async+streaming", "forecast", "best_static")
-"""Every mode :func:`run_modes` can run (the streaming ablations too). ``best_static`` is async
-with the split the simulator finds best for the calibrated workload (hindsight over every
-split, :func:`best_static_rollout_cells`)."""
+from ray_xlong.scheduling.modes import ALL_MODES, ModeInputs, make_policy  # the one registry
+from ray_xlong.scheduling.modes import PAPER_MODES as MODES
+
 PAPER8_MODES = ("colocated", "async", "elastic", "forecast", "best_static")
-"""The modes ``--size paper8`` runs."""
+"""The modes ``--size paper8`` runs (``best_static``: async with the split the simulator finds
+best for the calibrated workload, hindsight over every split: :func:`best_static_rollout_cells`)."""
 
 SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, task steps,
     # median tool latency (task seconds; 3600 = one wall second)
@@ -61,10 +59,9 @@ def build_config(size: dict, *, model_dir: str, seed: int):
     heavy-tailed (``latency_sigma``, default 1; ``run_sigma`` a per-run pace), a run capped at
     ``timeout_x`` (default 2.5) × task_steps × the median (wall clock); staleness ``bound``
     (default 1); ``light`` runners hold no model."""
-    from ray_xlong.rllib.cells import CellLayout
-    from ray_xlong.rllib.config import CellJobConfig
-    from ray_xlong.rllib.learner import LearnerSettings
-    from ray_xlong.rllib.long_horizon_job import LongHorizonJob
+    from ray_xlong.cells.config import CellJobConfig, LearnerSettings
+    from ray_xlong.cells.long_horizon_job import LongHorizonJob
+    from ray_xlong.cells.pool import CellLayout
     from ray_xlong.rollout import HarnessConfig
     from ray_xlong.rollout.tasks import LongHorizonConfig
     from ray_xlong.scheduling import SchedulingConfig
@@ -91,8 +88,8 @@ def calibrate(config, pool, *, steps: int = 1) -> dict:
     """A colocated job of ``steps`` one-group steps on a different seed: the simulator's cost
     model, measured. With ``steps`` > 1 the costs are medians (a learner's first step pays a
     warm-up, ~1 s here, that the job's later steps do not) and a sync back is measured."""
-    from ray_xlong.rllib.driver import run_job
-    from ray_xlong.rllib.long_horizon_job import predicted_durations
+    from ray_xlong.cells.long_horizon_job import predicted_durations
+    from ray_xlong.tools.driver import run_job
     from ray_xlong.scheduling import SchedulingConfig
 
     job = SchedulingConfig(steps, 1, config.job.runs_per_group, 0)
@@ -126,8 +123,8 @@ def parallel_cells(config, pool, costs: dict) -> float:
     cell a micro-batch, its per-micro-batch token rate against ``costs``' (a step of one group,
     one or two micro-batches at once): ``cells × rate_all / rate_one``, in [1, cells]. Logical
     GPUs on a few shared CPU cores do not add training throughput; real GPUs would give cells."""
-    from ray_xlong.rllib.driver import run_job
     from ray_xlong.scheduling import SchedulingConfig
+    from ray_xlong.tools.driver import run_job
 
     g, cells = config.job.runs_per_group, config.layout.cells
     job = SchedulingConfig(2, max(1, cells // g), g, 0)
@@ -152,7 +149,7 @@ def _robust_costs(t: dict, *, runs: int) -> dict:
 
 def sim_inputs(config, cal: dict):
     """Workload, cluster and costs of the job for the simulator (seconds as its hours)."""
-    from ray_xlong.rllib.long_horizon_job import predicted_durations
+    from ray_xlong.cells.long_horizon_job import predicted_durations
     from ray_xlong.sim.cluster import ClusterConfig, CostConfig
     from ray_xlong.sim.workload import Workload
 
@@ -172,11 +169,10 @@ def sim_inputs(config, cal: dict):
 
 def forecast_policy(config, cal: dict):
     """Our ForecastPolicy sized for this job from the calibration (seconds as its hours)."""
-    from ray_xlong.scheduling.forecast import ForecastPolicy
-
     per_s = cal["train_tokens_per_s"] / max(cal["tokens_per_run"], 1e-9) \
         / config.job.runs_per_group
-    return ForecastPolicy(train_groups_per_cell_h=per_s, horizon_h=config.harness.wall_clock_s)
+    return make_policy("forecast", ModeInputs(train_groups_per_cell_h=per_s,
+                                              horizon_h=config.harness.wall_clock_s))
 
 
 def best_static_rollout_cells(config, cal: dict) -> int:
@@ -195,17 +191,16 @@ def best_static_rollout_cells(config, cal: dict) -> int:
 def mode_policy(mode: str, config, cal: dict):
     """``(config of the real job, policy)`` of ``mode``: the same policy object drives Ray and
     the simulator."""
-    from ray_xlong.rllib.config import make_policy
-    from ray_xlong.scheduling.asynchronous import AsyncPolicy
+    from ray_xlong.cells.config import make_policy as job_policy
 
     if mode == "forecast":
         return dataclasses.replace(config, mode="elastic"), forecast_policy(config, cal)
     if mode == "best_static":
         r = best_static_rollout_cells(config, cal)
         cfg = dataclasses.replace(config, mode="async", async_rollout_cells=r)
-        return cfg, AsyncPolicy(rollout_cells=r, name="best_static")
+        return cfg, make_policy("best_static", ModeInputs(best_static_rollout_cells=r))
     cfg = dataclasses.replace(config, mode=mode)
-    return cfg, make_policy(cfg)
+    return cfg, job_policy(cfg)
 
 
 def run_modes(config, pool, modes, cal: dict, *,
@@ -216,8 +211,8 @@ def run_modes(config, pool, modes, cal: dict, *,
         ``(rows, logs, lower bound s)``: ``rows[mode]`` is a dict of measurements (see
         :func:`table`), ``logs[mode] = (ray events, simulator events)``.
     """
-    from ray_xlong.rllib.actuator import RayActuator
-    from ray_xlong.rllib.metrics import check_invariants
+    from ray_xlong.cells.actuator import RayActuator
+    from ray_xlong.cells.metrics import check_invariants
 
     reals = {}
     for mode in modes:
@@ -325,7 +320,7 @@ def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = N
     import ray
 
     from ray_xlong.models import build_tiny_model_dir
-    from ray_xlong.rllib.driver import start_cells
+    from ray_xlong.tools.driver import start_cells
 
     if size not in SIZES:
         raise ValueError(f"size: unknown {size!r}; choose from {sorted(SIZES)}")

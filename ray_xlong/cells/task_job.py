@@ -26,7 +26,7 @@ import pathlib
 
 import numpy as np
 
-from ray_xlong.rllib.env_runner import RunSpec
+from ray_xlong.cells.runs import RunSpec, group_key, run_key
 
 READY_MARKER = "xlong_warm_start.done"
 """File written into a model directory once its warm start finished (and passed its check)."""
@@ -64,7 +64,7 @@ class TaskJob:
     def spec(self, run: int, *, runs_per_group: int) -> RunSpec:
         """What scheduler run id ``run`` starts."""
         group = run // runs_per_group
-        return RunSpec(self.task, self.task_seed(group), f"r{run}", f"g{group}")
+        return RunSpec(self.task, self.task_seed(group), run_key(run), group_key(group))
 
     def tasks(self) -> dict:
         """Nothing to register: the task is built in."""

@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Callable
 
-from ray_xlong.rllib.stepping import StepReport
+from ray_xlong.cells.stepping import StepReport
 
 HEADER = ("| step | reward | tokens | unique/total | stale | cells R/D/T/S | busy | step s |\n"
           "|---:|---:|---:|---:|---:|:---:|---:|---:|")
@@ -112,7 +112,7 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
         :class:`TrainRun`.
     """
     from ray_xlong.rllib.algorithm_config import XLongConfig
-    from ray_xlong.rllib.task_job import warm_started_model_dir
+    from ray_xlong.cells.task_job import warm_started_model_dir
 
     t0 = time.perf_counter()
     model_dir = (spec.xlong.model_dir if spec is not None and spec.xlong.model_dir

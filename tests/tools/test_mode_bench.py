@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_xlong.rllib.long_horizon_job import predicted_durations
-from ray_xlong.rllib.mode_bench import (
+from ray_xlong.cells.long_horizon_job import predicted_durations
+from ray_xlong.tools.mode_bench import (
     PAPER8_MODES, SIZES, best_static_rollout_cells, build_config, mode_policy, sim_inputs,
 )
 

@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import functools
 
-from ray_xlong.rllib.env_runner import RunSpec
+from ray_xlong.cells.runs import RunSpec, group_key, run_key
 from ray_xlong.rollout.tasks.long_horizon import LongHorizonConfig, LongHorizonTask
 
 TASK_NAME = "xlong_long_horizon"
@@ -40,8 +40,8 @@ class LongHorizonJob:
 
     def spec(self, run: int, *, runs_per_group: int) -> RunSpec:
         """What scheduler run id ``run`` starts."""
-        return RunSpec(TASK_NAME, self.seed * 1_000_003 + run, f"r{run}",
-                       f"g{run // runs_per_group}")
+        return RunSpec(TASK_NAME, self.seed * 1_000_003 + run, run_key(run),
+                       group_key(run // runs_per_group))
 
     def tasks(self) -> dict:
         """``{name: factory}`` to register in every runner."""

@@ -12,8 +12,8 @@ audit(result, job)  from the event log and the trained-run ids: runs lost, runs 
 ```
 
 Kills are real (``ray.kill(actor, no_restart=True)``, a raylet removed); only *when* and *whom*
-is chosen here. ``python -m ray_xlong.rllib.faults`` is a driver process for the driver-restart
-fault: it runs (or resumes) one job from a pickled :class:`~ray_xlong.rllib.config.CellJobConfig`
+is chosen here. ``python -m ray_xlong.tools.faults`` is a driver process for the driver-restart
+fault: it runs (or resumes) one job from a pickled :class:`~ray_xlong.cells.config.CellJobConfig`
 on a running cluster and writes its result; the parent kills it and starts another.
 """
 
@@ -29,7 +29,8 @@ from typing import Any, Callable
 
 import ray
 
-from ray_xlong.rllib.metrics import RayResult, check_invariants
+from ray_xlong.cells.metrics import RayResult, check_invariants
+from ray_xlong.cells.runs import run_key
 from ray_xlong.scheduling import SchedulingConfig
 
 KINDS = ("runner", "learner", "node", "driver")
@@ -64,7 +65,7 @@ class FaultPlan:
 
 
 class FaultInjector:
-    """Fires a :class:`FaultPlan` into a running :class:`~ray_xlong.rllib.actuator.RayActuator`.
+    """Fires a :class:`FaultPlan` into a running :class:`~ray_xlong.cells.actuator.RayActuator`.
     """
 
     def __init__(self, plan: FaultPlan, job: SchedulingConfig, *,
@@ -99,7 +100,7 @@ class FaultInjector:
             if now >= due:
                 self.restore_node(token)
                 self.down.remove((due, token))
-        ended = sum(1 for e in act.m.log if e.kind == "run_ended")
+        ended = act.runs_ended()
         while self.todo and self.todo[0][0] <= ended:
             if not self._fire(self.todo[0][1], act):
                 return  # no victim that would notice yet: try again next tick
@@ -110,14 +111,14 @@ class FaultInjector:
         runs, a learner in the step in progress, a cell that is not the last)."""
         cells = [c for c in range(len(act.cells)) if c not in act.retired]
         if kind == "runner":
-            busy = [c for c in cells if act.m.live[c]]
+            busy = act.cells_with_live_runs()
             if not busy:
                 return False
             cell = self.rng.choice(busy)
             ray.kill(act.cells[cell].runner, no_restart=True)
         elif kind == "learner":
-            busy = [c for c in cells if c in act.in_flight] or \
-                [c for c in cells if c in act.group.members]
+            training = act.training_cells()  # those mid micro-batch first
+            busy = [c for c in training if c in act.in_flight] or training
             if not busy:
                 return False
             cell = self.rng.choice(busy)
@@ -140,7 +141,7 @@ class FaultInjector:
                     self.down.append((time.monotonic() + self.plan.node_down_s, token))
         self.injected[kind] += 1
         self.log.append({"kind": kind, "cell": cell, "t": act.now(),
-                         "runs_ended": sum(1 for e in act.m.log if e.kind == "run_ended")})
+                         "runs_ended": act.runs_ended()})
         return True
 
     def finish(self) -> None:
@@ -179,7 +180,7 @@ class Audit:
 def audit(result: RayResult, job: SchedulingConfig) -> Audit:
     """Check ``result`` of ``job`` (see :class:`Audit`)."""
     trained = collections.Counter(r for step in result.trained_runs for r in step)
-    want = {f"r{r}" for r in range(job.total_runs)}
+    want = {run_key(r) for r in range(job.total_runs)}
     ends = [e.version for e in result.events if e.kind == "step_ended"]
     return Audit(
         steps=len(ends), runs_trained=len(trained),
@@ -196,9 +197,10 @@ def drive(config_path: str, address: str, out: str, *, resume: bool) -> None:
     checkpoint) the job, and pickle ``{"result", "resumed_at"}`` to ``out``."""
     import os
 
-    from ray_xlong.rllib.actuator import CHECKPOINT, RayActuator
-    from ray_xlong.rllib.config import make_policy
-    from ray_xlong.rllib.driver import start_cells
+    from ray_xlong.cells.actuator import RayActuator
+    from ray_xlong.cells.checkpoint import CHECKPOINT
+    from ray_xlong.cells.config import make_policy
+    from ray_xlong.tools.driver import start_cells
 
     with open(config_path, "rb") as f:
         config = pickle.load(f)

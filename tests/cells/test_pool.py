@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ray_xlong.rllib.cells import CellLayout, LayoutError, check_layout
-from ray_xlong.rllib.config import MODES, CellJobConfig, make_policy
-from ray_xlong.rllib.learner import LearnerSettings
+from ray_xlong.cells.pool import CellLayout, LayoutError, check_layout
+from ray_xlong.cells.config import MODES, CellJobConfig, make_policy
+from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.scheduling import SchedulingConfig
 
 NODE = {"CPU": 2.0, "GPU": 2.0}          # holds 2 bundles of {CPU: 1, GPU: 1}

@@ -2,9 +2,13 @@
 
 ```
 cell c = placement group, strategy STRICT_SPREAD (one bundle per node) or PACK
-  bundle 0 {CPU: cpus_per_bundle, GPU: gpus_per_node [, learner_resource: 1]}  ◄─ CellRunner
-  bundle 1 … nodes_per_cell-1 (the cell's other nodes)                               XLongLearner
+  bundle 0 {CPU: cpus_per_bundle, GPU: gpus_per_node [, learner_resource: 1]}  ◄─ runner
+  bundle 1 … nodes_per_cell-1 (the cell's other nodes)                               learner
 ```
+
+Which classes the runner and the learner are is not this module's business: a
+:class:`CellActors` names them (the RLlib adapter's ``CellRunner`` / ``XLongLearner``, see
+``ray_xlong.rllib.cell_actors``), so the runtime needs no RLlib.
 
 Both actors of a cell share bundle 0 (half its CPUs each; the runner takes the logical GPUs).
 The Learner never asks for "GPU" on a host without CUDA (RLlib's NCCL path fails on logical
@@ -26,10 +30,6 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
-from ray_xlong.rllib.learner import LearnerSettings, XLongLearner, learner_config
-from ray_xlong.rllib.spool import RunSpool
-from ray_xlong.rollout.tasks import TASKS, TaskFactory, register_task
 
 STRATEGIES = ("STRICT_SPREAD", "PACK", "SPREAD", "STRICT_PACK")
 
@@ -106,77 +106,27 @@ def check_layout(layout: CellLayout, nodes: Sequence[Mapping[str, float]]) -> No
                           f"{need} on one node; the largest node holds {max(fits, default=0)}")
 
 
-class CellRunner(AgentEnvRunner):
-    """The cell's rollout side: :class:`AgentEnvRunner` plus the calls a role switch makes.
+@dataclasses.dataclass(frozen=True, slots=True)
+class CellActors:
+    """The two actor classes a cell hosts and their constructor arguments. The cell runtime
+    does not know them: the RLlib adapter hands them in (``ray_xlong.rllib.cell_actors``).
 
-    ``wait_ended`` runs in its own concurrency group so that it can block without delaying
-    ordered role calls (``suspend`` / ``resume`` / ``start_runs`` keep submission order).
+    The runner must answer the role calls the actuator makes (``start_runs`` / ``drain`` /
+    ``suspend`` / ``resume`` with trailing ``after`` refs, ``wait_ended`` in a ``poll``
+    concurrency group, ``num_live_runs``); the learner the elastic step calls (``build``,
+    ``accumulate``, ``take_gradients``, ``apply_step``, ``get_xlong_state`` /
+    ``set_xlong_state``, ``get_weights``, ``wake_up``, ``sleep``).
     """
 
-    def __init__(self, *, config: Any, rollout_config: RolloutConfig,
-                 tasks: Mapping[str, TaskFactory], cell: int = -1,
-                 spool_dir: str | None = None) -> None:
-        for name, factory in tasks.items():
-            if name not in TASKS:
-                register_task(name, factory)
-        self.cell = cell
-        self.spool = RunSpool(spool_dir) if spool_dir else None
-        super().__init__(config=config, rollout_config=rollout_config)
-
-    def _on_end(self, run_id: str, env, task) -> None:
-        # Spool first, then hand over: a runner that dies in between loses nothing. A spool
-        # that fails (disk full) still hands the run over, and the error reaches the driver
-        # through wait_ended (never a run that silently never ends).
-        try:
-            if self.spool is not None and not task.cancelled() and task.exception() is None:
-                self.spool.put(self.cell, task.result())
-        except Exception as exc:  # noqa: BLE001 - reported by wait_ended
-            self._spool_error = exc
-        finally:
-            super()._on_end(run_id, env, task)
-
-    @ray.method(concurrency_group="poll")
-    def wait_ended(self, timeout_s: float) -> list:
-        """The :class:`RunResult` of runs ended since the last call; waits up to
-        ``timeout_s`` for at least one."""
-        deadline = time.monotonic() + timeout_s
-        while not self._ended and time.monotonic() < deadline:
-            time.sleep(0.002)
-        error = getattr(self, "_spool_error", None)
-        if error is not None:
-            raise RuntimeError(f"cell {self.cell}: spooling an ended run failed: {error!r}")
-        return self.sample_results()
-
-    # Role calls take trailing ``after`` refs (ignored): the driver chains each call on the
-    # previous one, since Ray does not order the calls of an actor with concurrency groups.
-    def start_runs(self, specs, *after: Any) -> list[str]:
-        """:meth:`AgentEnvRunner.start_runs` (``after``: refs to wait for)."""
-        return super().start_runs(specs)
-
-    def drain(self, *after: Any) -> None:
-        """:meth:`AgentEnvRunner.drain` (``after``: refs to wait for)."""
-        super().drain()
-
-    def suspend(self, *after: Any) -> float:
-        """Rollout → training: drain and sleep the engine (raises with live runs). Returns
-        the seconds it took."""
-        t = time.perf_counter()
-        self.drain()
-        self.sleep()
-        return time.perf_counter() - t
-
-    def resume(self, weights: Mapping[str, Any] | None, version: int, *after: Any) -> float:
-        """Training → rollout: load ``weights`` of ``version`` (if given), wake, take runs
-        again. ``after`` is ignored: pass refs (the learner's sleep, this runner's own pending
-        ``suspend``) to make Ray run this once they resolved — calls of an actor with
-        concurrency groups are not guaranteed to run in submission order. Returns the seconds
-        it took."""
-        t = time.perf_counter()
-        if weights is not None:
-            self.set_weights(weights, version)
-        self.wake_up()
-        self.undrain()
-        return time.perf_counter() - t
+    runner_class: type
+    """Built as ``runner_class(cell=index, **runner_kwargs)`` (half the bundle's CPUs, its
+    logical GPUs)."""
+    runner_kwargs: Mapping[str, Any]
+    """Constructor arguments of every cell's runner."""
+    learner_class: type
+    """Built as ``learner_class(**learner_kwargs)``, then ``build()``."""
+    learner_kwargs: Mapping[str, Any]
+    """Constructor arguments of every cell's learner."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -188,9 +138,9 @@ class Cell:
     pg: Any
     """The placement group (kept for the whole job)."""
     runner: Any
-    """``CellRunner`` actor."""
+    """The runner actor (``CellActors.runner_class``)."""
     learner: Any
-    """``XLongLearner`` actor (built)."""
+    """The learner actor (``CellActors.learner_class``, built)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -253,11 +203,10 @@ class CellPool:
             remove_placement_group(cell.pg)
 
 
-def create_cells(layout: CellLayout, *, rollout: RolloutConfig, learner: LearnerSettings,
-                 tasks: Mapping[str, TaskFactory] | None = None, seed: int = 0,
-                 ready_timeout_s: float = 120.0, spool_dir: str | None = None) -> CellPool:
+def create_cells(layout: CellLayout, *, actors: CellActors,
+                 ready_timeout_s: float = 120.0) -> CellPool:
     """Validate ``layout`` against the cluster, create one placement group per cell and start
-    a runner and a learner in each (blocking until all are up).
+    the runner and learner of ``actors`` in each (blocking until all are up).
 
     Raises:
         LayoutError: the layout does not fit the cluster's alive nodes.
@@ -274,8 +223,7 @@ def create_cells(layout: CellLayout, *, rollout: RolloutConfig, learner: Learner
                           f"{layout.nodes_per_cell} × {layout.bundle()} not placed within "
                           f"{ready_timeout_s:g} s") from None
     def spawn(index: int, pg: Any, which: str) -> Any:
-        return _start_actor(index, pg, which, layout, rollout, learner, dict(tasks or {}), seed,
-                            spool_dir)
+        return _start_actor(index, pg, which, layout, actors)
 
     cells = [Cell(c, pg, spawn(c, pg, "runner"), spawn(c, pg, "learner"))
              for c, pg in enumerate(pgs)]
@@ -287,20 +235,16 @@ def create_cells(layout: CellLayout, *, rollout: RolloutConfig, learner: Learner
     return pool
 
 
-def _start_actor(index: int, pg: Any, which: str, layout: CellLayout, rollout: RolloutConfig,
-                 learner: LearnerSettings, tasks: dict, seed: int, spool_dir: str | None) -> Any:
+def _start_actor(index: int, pg: Any, which: str, layout: CellLayout,
+                 actors: CellActors) -> Any:
     """Start cell ``index``'s runner or learner on bundle 0 of ``pg`` (not waiting for it)."""
     on_cell = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
     half = layout.cpus_per_bundle / 2
     if which == "runner":
-        from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
-
-        return ray.remote(concurrency_groups={"poll": 1})(CellRunner).options(
+        return ray.remote(concurrency_groups={"poll": 1})(actors.runner_class).options(
             num_cpus=half, num_gpus=layout.gpus_per_node, scheduling_strategy=on_cell).remote(
-                config=AlgorithmConfig(), rollout_config=rollout, tasks=tasks, cell=index,
-                spool_dir=spool_dir)
+                cell=index, **actors.runner_kwargs)
     extra = {} if layout.learner_resource == "CPU" else {layout.learner_resource: 1.0}
-    config, spec = learner_config(learner, seed=seed)
-    return ray.remote(XLongLearner).options(
+    return ray.remote(actors.learner_class).options(
         num_cpus=half if not extra else 0, num_gpus=0, resources=extra,
-        scheduling_strategy=on_cell).remote(config=config, module_spec=spec)
+        scheduling_strategy=on_cell).remote(**actors.learner_kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ray_xlong.rllib.spool import RunSpool
+from ray_xlong.cells.spool import RunSpool
 from ray_xlong.rollout.harness import RunInfo, RunResult
 from ray_xlong.trajectory.synthetic import synthetic_runs
 

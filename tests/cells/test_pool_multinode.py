@@ -12,12 +12,13 @@ import tempfile
 import pytest
 
 from ray_xlong.models import build_tiny_model_dir
-from ray_xlong.rllib.cells import CellLayout, LayoutError, create_cells
-from ray_xlong.rllib.config import CellJobConfig
-from ray_xlong.rllib.driver import rollout_config, run_job, start_cells
-from ray_xlong.rllib.learner import LearnerSettings
-from ray_xlong.rllib.long_horizon_job import LongHorizonJob
-from ray_xlong.rllib.metrics import check_invariants
+from ray_xlong.cells.pool import CellLayout, LayoutError, create_cells
+from ray_xlong.cells.config import CellJobConfig
+from ray_xlong.rllib.cell_actors import cell_actors
+from ray_xlong.tools.driver import rollout_config, run_job, start_cells
+from ray_xlong.cells.config import LearnerSettings
+from ray_xlong.cells.long_horizon_job import LongHorizonJob
+from ray_xlong.cells.metrics import check_invariants
 from ray_xlong.rollout import HarnessConfig
 from ray_xlong.rollout.tasks import LongHorizonConfig
 from ray_xlong.scheduling import SchedulingConfig
@@ -69,7 +70,7 @@ def test_impossible_layout_is_refused_before_anything_starts(cluster):
     before = len(ray.util.placement_group_table())
     with pytest.raises(LayoutError, match=r"nodes_per_cell=5 need"):
         create_cells(dataclasses.replace(config.layout, nodes_per_cell=5),
-                     rollout=rollout_config(config), learner=config.learner)
+                     actors=cell_actors(rollout=rollout_config(config), learner=config.learner))
     assert len(ray.util.placement_group_table()) == before
 
 

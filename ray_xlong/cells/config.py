@@ -1,0 +1,139 @@
+"""``CellJobConfig``: one record for a job on cells — mode, job shape, layout, rollout, learner
+(``LearnerSettings``: what a cell's Learner trains and how).
+
+The mode is one field; every mode runs the same actuator (``actuator.py``), only the policy
+object changes: :func:`make_policy` asks the one mode registry, ``ray_xlong.scheduling.modes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ray_xlong.cells.pool import CellLayout
+from ray_xlong.checks import check_int
+from ray_xlong.cells.long_horizon_job import LongHorizonJob
+from ray_xlong.rollout import HarnessConfig
+from ray_xlong.scheduling import Policy, SchedulingConfig, modes
+from ray_xlong.trajectory import LossConfig, ProcessorConfig
+
+ATTENTIONS = ("xlong_tree", "sdpa", "eager", "flex_attention")
+"""``LearnerSettings.attn_implementation`` values."""
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+"""``LearnerSettings.dtype`` names."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LearnerSettings:
+    """What a cell's Learner trains and how."""
+
+    model_dir: str
+    """Model directory (``ray_xlong.models.build_tiny_model_dir``); engines load the same."""
+    lr: float = 1e-4
+    """Adam learning rate."""
+    loss: LossConfig = LossConfig()
+    """Token loss form (PPO clip / truncated IS)."""
+    dtype: str = "float32"
+    """Training dtype: one of :data:`DTYPES`."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one micro-batch (rows × width)."""
+    grad_clip: float | None = None
+    """Global-norm clip of the reduced gradient before the optimizer step (None: no clip)."""
+    attn_implementation: str | None = None
+    """How the Learner's model attends: one of :data:`ATTENTIONS`, or None (default) for "by
+    batch layout": ``xlong_tree`` on tree batches (segments, no dense mask) and HF ``sdpa`` on
+    per-trajectory rows (the ``xlong_tree`` implementation runs sdpa when a batch has no tree
+    plan, so one model serves both). ``sdpa`` / ``eager`` train tree batches with dense masks
+    (a reference); ``flex_attention`` is the GPU path."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_dir, str) or not self.model_dir:
+            raise ValueError(f"LearnerSettings.model_dir must be a path string, "
+                             f"got {self.model_dir!r}")
+        if not self.lr > 0:
+            raise ValueError(f"LearnerSettings.lr must be > 0, got {self.lr!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"LearnerSettings.dtype must be one of {sorted(DTYPES)}, "
+                             f"got {self.dtype!r}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"LearnerSettings.grad_clip must be > 0 or None, "
+                             f"got {self.grad_clip!r}")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTENTIONS:
+            raise ValueError(f"LearnerSettings.attn_implementation must be one of {ATTENTIONS} "
+                             f"or None, got {self.attn_implementation!r}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"LearnerSettings.micro_batch_tokens must be >= 1, "
+                             f"got {self.micro_batch_tokens!r}")
+
+    @property
+    def model_attention(self) -> str:
+        """The ``attn_implementation`` the Learner loads its model with (None → ``xlong_tree``,
+        which is sdpa on per-trajectory batches)."""
+        return self.attn_implementation or "xlong_tree"
+
+
+
+MODES = modes.CELL_MODES
+"""Valid ``CellJobConfig.mode`` values (``scheduling.modes``, the one registry)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CellJobConfig:
+    """A job on cells (each field validated at construction)."""
+
+    mode: str
+    """One of :data:`MODES`."""
+    job: SchedulingConfig
+    """Steps, groups per step, runs per group, staleness bound."""
+    layout: CellLayout
+    """Cells and their placement."""
+    learner: LearnerSettings
+    """Model, optimizer, loss, micro-batch size."""
+    slots_per_cell: int = 4
+    """Runs one rollout cell serves at once."""
+    async_rollout_cells: int = 1
+    """Rollout pool of the async modes."""
+    work: LongHorizonJob = LongHorizonJob()
+    """The task runs do."""
+    harness: HarnessConfig = HarnessConfig(max_new_tokens=32, wall_clock_s=8.0,
+                                           tool_timeout_s=8.0)
+    """Run budgets (``wall_clock_s`` is the run timeout)."""
+    processor: ProcessorConfig = ProcessorConfig()
+    """Trajectory processor (tree packing, K, loss normalisation)."""
+    poll_s: float = 0.5
+    """Longest a runner's ``wait_ended`` blocks."""
+    spool_dir: str | None = None
+    """Where runners spool ended runs before handing them over (``spool.py``); on a cluster,
+    storage every node sees. None: no spool (a runner that dies loses runs it had not handed
+    over yet)."""
+    checkpoint_dir: str | None = None
+    """Where the driver saves its checkpoint at step boundaries (``actuator.py``); None: off."""
+    checkpoint_every: int = 1
+    """Steps between driver checkpoints."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"CellJobConfig.mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("slots_per_cell", "async_rollout_cells"):
+            check_int("CellJobConfig", name, getattr(self, name), minimum=1)
+        if self.mode.startswith("async") and not 1 <= self.async_rollout_cells < self.layout.cells:
+            raise ValueError(f"CellJobConfig.async_rollout_cells must be in [1, cells-1] = "
+                             f"[1, {self.layout.cells - 1}], got {self.async_rollout_cells!r}")
+        if self.processor.pack == "none":
+            raise ValueError("CellJobConfig.processor.pack must be 'tree' or 'per_trajectory'")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"CellJobConfig.checkpoint_every must be >= 1, "
+                             f"got {self.checkpoint_every!r}")
+        if self.checkpoint_dir and not self.spool_dir:
+            raise ValueError("CellJobConfig.checkpoint_dir needs spool_dir too (runs that end "
+                             "after a checkpoint survive a driver restart only in the spool)")
+        if not self.poll_s > 0:
+            raise ValueError(f"CellJobConfig.poll_s must be > 0, got {self.poll_s!r}")
+
+
+def make_policy(config: CellJobConfig) -> Policy:
+    """The scheduling policy of ``config.mode`` (the registry's objects, as the simulator)."""
+    return modes.make_policy(config.mode,
+                             modes.ModeInputs(async_rollout_cells=config.async_rollout_cells))

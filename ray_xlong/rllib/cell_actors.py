@@ -1,0 +1,148 @@
+"""What an RLlib cell hosts: ``CellRunner`` (the :class:`AgentEnvRunner` plus the role calls a
+switch makes, the run spool, and each run processed where it ended) and the ``XLongLearner``,
+handed to the cell runtime as one :class:`~ray_xlong.cells.pool.CellActors`::
+
+    run ends ─► spool ─► process_run (assemble → cap K → tree → count-once) ─► wait_ended:
+                 (digests ─► driver, a few numbers per run;  episodes ─► object store ─► the
+                  Learner connector pipeline of the cell that trains them)
+
+
+    actors = cell_actors(rollout=RolloutConfig(...), learner=LearnerSettings(...), seed=0)
+    pool = create_cells(layout, actors=actors)       # ray_xlong.cells: no RLlib import there
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Mapping
+
+import ray
+
+from ray_xlong.cells.config import LearnerSettings
+from ray_xlong.cells.pool import CellActors
+from ray_xlong.cells.spool import RunSpool
+from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
+from ray_xlong.rllib.episodes import run_to_episode
+from ray_xlong.rllib.learner import XLongLearner, learner_config
+from ray_xlong.rollout.run_stats import run_stats
+from ray_xlong.rollout.tasks import TASKS, TaskFactory, register_task
+from ray_xlong.trajectory import ProcessorConfig
+from ray_xlong.trajectory.per_run import RunDigest, process_run
+
+
+class CellRunner(AgentEnvRunner):
+    """The cell's rollout side: :class:`AgentEnvRunner` plus the calls a role switch makes.
+
+    ``wait_ended`` runs in its own concurrency group so that it can block without delaying
+    ordered role calls (``suspend`` / ``resume`` / ``start_runs`` keep submission order).
+    """
+
+    def __init__(self, *, config: Any, rollout_config: RolloutConfig,
+                 tasks: Mapping[str, TaskFactory], cell: int = -1,
+                 spool_dir: str | None = None,
+                 processor: ProcessorConfig = ProcessorConfig()) -> None:
+        for name, factory in tasks.items():
+            if name not in TASKS:
+                register_task(name, factory)
+        self.cell = cell
+        self.processor = processor
+        self.spool = RunSpool(spool_dir) if spool_dir else None
+        super().__init__(config=config, rollout_config=rollout_config)
+
+    def _on_end(self, run_id: str, env, task) -> None:
+        # Spool first, then hand over: a runner that dies in between loses nothing. A spool
+        # that fails (disk full) still hands the run over, and the error reaches the driver
+        # through wait_ended (never a run that silently never ends).
+        try:
+            if self.spool is not None and not task.cancelled() and task.exception() is None:
+                self.spool.put(self.cell, task.result())
+        except Exception as exc:  # noqa: BLE001 - reported by wait_ended
+            self._spool_error = exc
+        finally:
+            super()._on_end(run_id, env, task)
+
+    @ray.method(concurrency_group="poll", num_returns=2)
+    def wait_ended(self, timeout_s: float) -> tuple[list[RunDigest], list]:
+        """Runs ended since the last call (waits up to ``timeout_s`` for at least one),
+        processed here, where they ended. Two returns: their :class:`RunDigest` (what the
+        driver reads) and their episodes with the ``ProcessedRun`` (what a Learner reads; the
+        driver passes the ref on without fetching it)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ended and time.monotonic() < deadline:
+            time.sleep(0.002)
+        error = getattr(self, "_spool_error", None)
+        if error is not None:
+            raise RuntimeError(f"cell {self.cell}: spooling an ended run failed: {error!r}")
+        return self._processed(self.sample_results())
+
+    @ray.method(num_returns=2)
+    def process_spooled(self, run_ids: list[str]) -> tuple[list[RunDigest], list]:
+        """Like :meth:`wait_ended` for runs read from the spool (recovery: runs whose runner or
+        payload was lost). Raises when there is no spool or a run is not in it."""
+        if self.spool is None:
+            raise RuntimeError(f"cell {self.cell}: no spool to read runs {run_ids} from")
+        got = self.spool.get(run_ids)
+        missing = sorted(set(run_ids) - set(got))
+        if missing:
+            raise KeyError(f"cell {self.cell}: runs {missing} are not in the spool")
+        return self._processed([res for _, res in got.values()])
+
+    def _processed(self, results: list) -> tuple[list[RunDigest], list]:
+        done = [process_run(res.run, self.processor) for res in results]
+        episodes = [run_to_episode(res.run, processed=p) for res, p in zip(results, done)]
+        return [dataclasses.replace(p.digest, agent=run_stats(res))
+                for res, p in zip(results, done)], episodes
+
+    # Role calls take trailing ``after`` refs (ignored): the driver chains each call on the
+    # previous one, since Ray does not order the calls of an actor with concurrency groups.
+    def start_runs(self, specs, *after: Any) -> list[str]:
+        """:meth:`AgentEnvRunner.start_runs` (``after``: refs to wait for)."""
+        return super().start_runs(specs)
+
+    def drain(self, *after: Any) -> None:
+        """:meth:`AgentEnvRunner.drain` (``after``: refs to wait for)."""
+        super().drain()
+
+    def suspend(self, *after: Any) -> float:
+        """Rollout → training: drain and sleep the engine (raises with live runs). Returns
+        the seconds it took."""
+        t = time.perf_counter()
+        self.drain()
+        self.sleep()
+        return time.perf_counter() - t
+
+    def resume(self, weights: Mapping[str, Any] | None, version: int, *after: Any) -> float:
+        """Training → rollout: load ``weights`` of ``version`` (if given), wake, take runs
+        again. ``after`` is ignored: pass refs (the learner's sleep, this runner's own pending
+        ``suspend``) to make Ray run this once they resolved — calls of an actor with
+        concurrency groups are not guaranteed to run in submission order. Returns the seconds
+        it took."""
+        t = time.perf_counter()
+        if weights is not None:
+            self.set_weights(weights, version)
+        self.wake_up()
+        self.undrain()
+        return time.perf_counter() - t
+
+
+def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
+                processor: ProcessorConfig = ProcessorConfig(),
+                tasks: Mapping[str, TaskFactory] | None = None, seed: int = 0,
+                spool_dir: str | None = None,
+                learner_connector: Callable[..., Any] | None = None) -> CellActors:
+    """The runner (:class:`CellRunner` on ``rollout``: processes each run where it ended with
+    ``processor``; ``tasks`` registered in it; ended runs spooled to ``spool_dir`` when given)
+    and the learner (:class:`XLongLearner` on ``learner``, seeded; its Learner connector
+    pipeline runs the user's ``learner_connector`` pieces, then ``PrefixTreeConnector``)."""
+    from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+
+    config, spec = learner_config(learner, seed=seed, processor=processor,
+                                  learner_connector=learner_connector)
+    return CellActors(
+        runner_class=CellRunner,
+        runner_kwargs={"config": AlgorithmConfig(), "rollout_config": rollout,
+                       "tasks": dict(tasks or {}), "spool_dir": spool_dir,
+                       "processor": processor},
+        learner_class=XLongLearner,
+        learner_kwargs={"config": config, "module_spec": spec})
