@@ -29,13 +29,10 @@ import sys
 import time
 from typing import Sequence
 
-from ray_xlong.cli_args import (existing_dir, existing_file, int_at_least, key_value,
+from ray_xlong.cli_args import (CliError, existing_dir, existing_file, int_at_least, key_value,
                                 output_dir, output_file, port_number)
-from ray_xlong.scheduling.modes import ALL_MODES, CELL_MODES, PAPER_MODES  # the one registry
-
-
-class CliError(Exception):
-    """A user error: printed without a traceback, exit status 2."""
+from ray_xlong.cli_modes import cmd_bench, cmd_sim
+from ray_xlong.scheduling.modes import CELL_MODES  # the one registry
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -103,162 +100,6 @@ def _print_run(run, batch, args: argparse.Namespace) -> None:
     if not args.no_tree:
         tree_text = batch.trees[run.run_id].pretty_print(max_tokens=args.tree_tokens, file=False)
         print("\n".join("  " + line for line in tree_text.splitlines()))
-
-
-def cmd_sim(args: argparse.Namespace) -> int:
-    from ray_xlong.scheduling.events import to_jsonl
-    from ray_xlong.sim.metrics import lower_bound_h, summarize
-    from ray_xlong.sim.modes import make_policies, preset_workload, simulate_preset, with_steps
-    from ray_xlong.sim.presets import get_preset
-
-    try:
-        preset = get_preset(args.preset)
-    except (KeyError, ValueError) as exc:
-        raise CliError(str(exc)) from exc
-    if args.steps:
-        preset = with_steps(preset, args.steps)
-    workload = preset_workload(preset, seed=args.seed)
-    bound = lower_bound_h(workload=workload, cluster=preset.cluster, costs=preset.costs,
-                          config=preset.job)
-    policies = make_policies(preset)
-    modes = args.modes or list(policies)
-    unknown = set(modes) - set(policies)
-    if unknown:
-        raise CliError(f"unknown mode(s) {sorted(unknown)}; choose from {sorted(policies)}")
-    print(f"preset {args.preset}, seed {args.seed}: lower bound {bound:.2f} h\n")
-    print("| mode | makespan h | ÷ lower bound | GPU idle % | staleness mean / max |")
-    print("|---|---|---|---|---|")
-    for mode in _progress(modes, "simulating"):
-        result = simulate_preset(preset, policies[mode], seed=args.seed, workload=workload)
-        s = summarize(result)
-        print(f"| {mode} | {s.makespan_h:.2f} | {s.makespan_h / bound:.3f} | "
-              f"{100 * s.gpu_idle_frac:.1f} | {s.staleness_mean:.2f} / {s.staleness_max} |")
-        if args.events_dir:
-            out = pathlib.Path(args.events_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"{mode}.jsonl").write_text(to_jsonl(result.events))
-    if args.events_dir:
-        print(f"\nevent logs in {args.events_dir}/<mode>.jsonl (draw: ray-xlong timeline)")
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """The mode comparison, in the simulator or on Ray cells; ratios against elastic."""
-    modes = list(args.modes or PAPER_MODES)
-    if args.forecast and "forecast" not in modes:
-        modes.append("forecast")
-    if "elastic" not in modes:
-        raise CliError("--modes: the table's ratios are against elastic; include elastic")
-    if args.backend == "sim":
-        if args.size is not None or args.address is not None or args.model_dir is not None:
-            raise CliError("--size / --address / --model-dir apply to --backend ray; for the "
-                           "simulator use --preset and --steps")
-        out, logs = _bench_sim(args, modes)
-    else:
-        if args.preset is not None or args.steps is not None:
-            raise CliError("--preset / --steps apply to --backend sim; for Ray use --size "
-                           "smoke|quick|full")
-        out, logs = _bench_ray(args, modes)
-    if args.json:
-        import json
-
-        pathlib.Path(args.json).write_text(json.dumps(out, indent=2))
-        print(f"\nwrote {args.json}")
-    if args.events_dir:
-        from ray_xlong.scheduling.events import to_jsonl
-
-        folder = pathlib.Path(args.events_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, events in logs.items():
-            (folder / f"{name}.jsonl").write_text(to_jsonl(events))
-        unit = " --time-unit seconds" if args.backend == "ray" else ""
-        print(f"event logs in {folder}/<mode>.jsonl (draw: ray-xlong timeline ...{unit})")
-    return 0
-
-
-def _bench_sim(args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
-    from ray_xlong.sim.metrics import lower_bound_h, summarize
-    from ray_xlong.sim.modes import make_policies, preset_workload, simulate_preset
-
-    preset = _preset(args.preset or "paper-2.4t", args.steps)
-    policies = make_policies(preset)
-    _known_modes(modes, policies)
-    workload = preset_workload(preset, seed=args.seed)
-    bound = lower_bound_h(workload=workload, cluster=preset.cluster, costs=preset.costs,
-                          config=preset.job)
-    rows, logs = {}, {}
-    for mode in _progress(modes, "simulating"):
-        result = simulate_preset(preset, policies[mode], seed=args.seed, workload=workload)
-        s = summarize(result)
-        rows[mode] = {"makespan_h": s.makespan_h, "gpu_idle_frac": s.gpu_idle_frac,
-                      "staleness_mean": s.staleness_mean, "staleness_max": s.staleness_max,
-                      "over_lower_bound": s.makespan_h / bound}
-        logs[mode] = result.events
-    for row in rows.values():
-        row["vs_elastic"] = row["makespan_h"] / rows["elastic"]["makespan_h"]
-        row["speedup_vs_colocated"] = rows.get("colocated", row)["makespan_h"] / row["makespan_h"]
-    print(f"simulator, preset {preset.name}, seed {args.seed}, {preset.job.total_steps} steps: "
-          f"lower bound {bound:.2f} h\n")
-    print("| mode | makespan h | ÷ elastic | × vs colocated | ÷ lower bound | GPU idle % | "
-          "staleness mean / max |")
-    print("|---|---|---|---|---|---|---|")
-    for mode, r in rows.items():
-        print(f"| {mode} | {r['makespan_h']:.2f} | {r['vs_elastic']:.3f} | "
-              f"{r['speedup_vs_colocated']:.2f} | {r['over_lower_bound']:.3f} | "
-              f"{100 * r['gpu_idle_frac']:.1f} | {r['staleness_mean']:.2f} / "
-              f"{r['staleness_max']} |")
-    out = {"backend": "sim", "preset": preset.name, "seed": args.seed,
-           "steps": preset.job.total_steps, "lower_bound_h": bound, "modes": rows}
-    return out, logs
-
-
-def _bench_ray(args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        raise CliError("--backend ray needs Ray RLlib: pip install -e '.[rllib]' (or use "
-                       "--backend sim)")
-    from ray_xlong.tools.mode_bench import run_comparison, table
-
-    _known_modes(modes, ALL_MODES)
-    size = args.size or "quick"
-    if args.model_dir is not None and not pathlib.Path(args.model_dir, "config.json").is_file():
-        raise CliError(f"--model-dir {args.model_dir}: not a HF model directory (no "
-                       "config.json)")
-    run = run_comparison(size=size, seed=args.seed, modes=modes, address=args.address,
-                         model_dir=args.model_dir,
-                         on_mode=lambda m: print(f"running {m} on Ray cells ...",
-                                                 file=sys.stderr, flush=True))
-    s = run.summary
-    print(f"Ray cells ({size}, seed {args.seed}): {s['cells']} cells, lower bound "
-          f"{s['lower_bound_s']:.2f} s, cells up in {s['cells_startup_s']:.1f} s; 'sim' and "
-          f"(…): the simulator on the same workload\n")
-    print(table(s["modes"]))
-    logs = {}
-    for mode, (real, sim) in run.logs.items():
-        logs[mode], logs[f"{mode}-sim"] = real, sim
-    return dict(s, backend="ray"), logs
-
-
-def _preset(name: str, steps: int | None):
-    from ray_xlong.sim.modes import with_steps
-    from ray_xlong.sim.presets import get_preset
-
-    try:
-        preset = get_preset(name)
-    except (KeyError, ValueError) as exc:
-        raise CliError(str(exc)) from exc
-    if steps is not None:
-        if steps < 1:
-            raise CliError(f"--steps must be >= 1, got {steps}")
-        preset = with_steps(preset, steps)
-    return preset
-
-
-def _known_modes(modes: Sequence[str], known) -> None:
-    unknown = sorted(set(modes) - set(known))
-    if unknown:
-        raise CliError(f"unknown mode(s) {unknown}; choose from {sorted(known)}")
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
@@ -353,14 +194,6 @@ def _existing(path: str) -> str:
     if not pathlib.Path(path).is_file():
         raise CliError(f"{path}: no such file")
     return path
-
-
-def _progress(items: Sequence, desc: str):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return items
-    return tqdm(items, desc=desc, leave=False, file=sys.stderr)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

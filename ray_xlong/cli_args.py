@@ -10,7 +10,23 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-from typing import Callable
+from typing import Callable, Sequence
+
+
+class CliError(Exception):
+    """A user error found after parsing (a preset, a mode, a file's content): printed without a
+    traceback, exit status 2."""
+
+
+def progress(items: Sequence, desc: str):
+    """``items`` with a progress bar on stderr (when tqdm is installed)."""
+    import sys
+
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, leave=False, file=sys.stderr)
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

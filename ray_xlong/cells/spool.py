@@ -54,7 +54,7 @@ class RunSpool:
         """``{run_id: (cell, RunResult)}`` of the spooled runs (all, or those of ``run_ids``
         that are spooled)."""
         wanted = self.run_ids() if run_ids is None else set(run_ids) & self.run_ids()
-        from ray_xlong.rollout.harness import RunResult
+        from ray_xlong.rollout.run_records import RunResult
 
         out = {}
         for run_id in sorted(wanted):

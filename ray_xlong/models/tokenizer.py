@@ -45,11 +45,6 @@ _CORPUS: tuple[str, ...] = (
 )
 
 
-def default_corpus() -> tuple[str, ...]:
-    """The built-in training texts (chat instructions, arithmetic, code, tool output)."""
-    return _CORPUS
-
-
 _TEMPLATE_CORPUS: tuple[str, ...] = (
     '<tool_call>\n{"name": "lookup", "arguments": {"key": 3}}\n</tool_call>',
     '{"name": "add", "parameters": {"a": 3, "b": 4}}; {"name": "work", "parameters": {"step": 1}}',

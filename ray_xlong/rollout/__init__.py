@@ -18,7 +18,8 @@ from ray_xlong.rollout.chat import (Answer, ChatFormat, ChatFormatError, Malform
 from ray_xlong.rollout.context import Context, ContextFull
 from ray_xlong.rollout.engine import (BatchingEngine, Engine, EngineError, EngineStats,
                                       GenerateResult, SamplingConfig)
-from ray_xlong.rollout.harness import Harness, HarnessConfig, RunInfo, RunResult
+from ray_xlong.rollout.harness import Harness
+from ray_xlong.rollout.run_records import HarnessConfig, RunInfo, RunResult
 from ray_xlong.rollout.hf_engine import HFEngine
 from ray_xlong.rollout.scripted import ScriptedEngine, ScriptedPolicy
 from ray_xlong.rollout.token_format import TokenFormat

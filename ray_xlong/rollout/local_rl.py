@@ -45,7 +45,8 @@ from ray_xlong.checks import check_int
 from ray_xlong.models import build_tiny_model_dir, load_model
 from ray_xlong.rollout.chat import ChatFormat, format_for_tokenizer, load_chat_format
 from ray_xlong.rollout.engine import Engine
-from ray_xlong.rollout.harness import Harness, HarnessConfig
+from ray_xlong.rollout.harness import Harness
+from ray_xlong.rollout.run_records import HarnessConfig
 from ray_xlong.rollout.hf_engine import HFEngine
 from ray_xlong.rollout.tasks import make_task
 from ray_xlong.rollout.warm_start import WarmStartConfig, warm_start_policy

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ray_xlong.rollout.harness import RunResult
+from ray_xlong.rollout.run_records import RunResult
 
 TIMEOUT_REASONS = ("wall_clock", "token_budget", "call_budget", "context_full")
 """How a run times out (``RunInfo.stop_reason`` of a ``timeout``)."""

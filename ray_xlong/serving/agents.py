@@ -33,7 +33,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
-from ray_xlong.rollout.harness import RunInfo, RunResult
+from ray_xlong.rollout.run_records import RunInfo, RunResult
 from ray_xlong.rollout.limits import bounded
 from ray_xlong.serving.runs import NoCallError, RunLimits
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ray_xlong.cells.spool import RunSpool
-from ray_xlong.rollout.harness import RunInfo, RunResult
+from ray_xlong.rollout.run_records import RunInfo, RunResult
 from ray_xlong.trajectory.synthetic import synthetic_runs
 
 

@@ -25,8 +25,6 @@ policy's support, so group-relative advantages point the same way on every insta
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
 from ray_xlong.rollout.chat import ToolCall, demonstration_ids
@@ -111,8 +109,3 @@ def noisy_demonstrations(chat, *, count: int, right_key_rate: float, seed: int,
             key = str(int(rng.choice([k for k in range(num_keys) if str(k) != task.key])))
         out.append(demonstration(task, chat, key=key))
     return out
-
-
-def right_key_rate_of(tasks: Sequence[LookupTask]) -> float:
-    """Fraction of ``tasks`` whose right key was looked up (a diagnostic)."""
-    return float(np.mean([t.looked_up_right for t in tasks])) if tasks else 0.0
