@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from ray_xlong.rollout.local_rl import push_weights, train_step
+    from ray_xlong.tools.local_rl import push_weights, train_step
     from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor
     from ray_xlong.trajectory.packing import micro_batches
 

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warm = None
     if args.smoke:
-        from ray_xlong.rollout.local_rl import WarmStartConfig
+        from ray_xlong.rollout.lookup_recipe import WarmStartConfig
 
         warm = WarmStartConfig(clean_steps=5, noisy_steps=2, min_accuracy=0.0)  # plumbing only
     run = run_training(mode=args.mode, steps=args.steps, seed=args.seed, engine=args.engine,

@@ -12,8 +12,8 @@ Runs of one group share a task seed (GRPO groups); group ``g`` of a job that sta
 checkpoint moves on to fresh task instances instead of replaying the first ones.
 
 :func:`warm_started_model_dir` builds the tiny policy (model + tokenizer) and gives it the
-lookup task's format by the supervised warm start of ``rollout.local_rl`` (the known-good
-recipe, checked: ``rollout/warm_start.py``); the directory is cached by seed and warm-start
+lookup task's format by the supervised warm start of ``rollout/lookup_recipe.py`` (the known-good
+recipe, checked: ``rollout/lookup_recipe.py``); the directory is cached by seed and warm-start
 config, so several jobs of one seed share one warm start.
 """
 
@@ -83,7 +83,7 @@ def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None,
         root: where to build it (reused when it already holds a finished warm start of the
             same seed and warm-start config).
         seed: model weights and warm-start seed.
-        warm: ``rollout.warm_start.WarmStartConfig`` (default: the local RL recipe).
+        warm: ``rollout.lookup_recipe.WarmStartConfig`` (default: the local RL recipe).
         style: tokenizer / chat style (``token``: the token format; ``chatml_tiny`` /
             ``chatml`` / ``llama3``: the template format with the model's tool calls).
 
@@ -92,11 +92,11 @@ def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None,
         tokenizer is saved with it; :data:`REPORT` holds the warm start's scores).
 
     Raises:
-        rollout.warm_start.WarmStartFailed: the warm start did not take (nothing is cached).
+        rollout.lookup_recipe.WarmStartFailed: the warm start did not take (nothing is cached).
     """
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.rollout.chat import format_for_tokenizer
-    from ray_xlong.rollout.warm_start import WarmStartConfig, format_corpus, warm_start_policy
+    from ray_xlong.rollout.lookup_recipe import WarmStartConfig, format_corpus, warm_start_policy
 
     warm = warm or WarmStartConfig()
     tag = "" if style == "token" else f"-{style}"

@@ -98,7 +98,7 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
         groups: task instances per step.
         runs_per_group: runs per instance.
         staleness_bound: scheduler staleness bound.
-        warm: ``rollout.local_rl.WarmStartConfig`` (None: the recipe's).
+        warm: ``rollout.lookup_recipe.WarmStartConfig`` (None: the recipe's).
         chat: the policy's chat style: ``chatml_tiny`` (a ChatML template, Hermes tool calls:
             the template path) | ``token`` (the demo model's own tokens) | ``chatml`` |
             ``llama3``.

@@ -12,7 +12,7 @@ pytest.importorskip("ray")
 
 from ray_xlong.cells.task_job import (READY_MARKER, REPORT,  # noqa: E402
                                       warm_started_model_dir)
-from ray_xlong.rollout.warm_start import WarmStartConfig  # noqa: E402
+from ray_xlong.rollout.lookup_recipe import WarmStartConfig  # noqa: E402
 
 TINY = WarmStartConfig(clean_steps=2, noisy_steps=1, min_accuracy=0.0, check_demonstrations=4)
 """A plumbing-only warm start (no check): seconds, not a usable policy."""
@@ -32,7 +32,7 @@ def test_cache_is_keyed_by_seed_and_warm_start_config(tmp_path):
 
 
 def test_failed_warm_start_is_not_cached(tmp_path):
-    from ray_xlong.rollout.warm_start import WarmStartFailed
+    from ray_xlong.rollout.lookup_recipe import WarmStartFailed
 
     failing = WarmStartConfig(clean_steps=1, check_steps=1, max_clean_steps=1, noisy_steps=0,
                               check_demonstrations=4)

@@ -10,7 +10,7 @@ import pytest
 from ray_xlong.models import build_tiny_model_dir, load_model, load_tokenizer
 from ray_xlong.rollout import TokenFormat
 from ray_xlong.rollout.tasks.lookup import LookupTask, demonstration
-from ray_xlong.rollout.warm_start import (WarmStartConfig, WarmStartFailed, _segments,
+from ray_xlong.rollout.lookup_recipe import (WarmStartConfig, WarmStartFailed, _segments,
                                           score_format, warm_start_policy)
 
 

@@ -37,6 +37,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from ray_xlong.checks import check_int, is_int
 from ray_xlong.models import teacher_forced, warm_start
 from ray_xlong.rollout.chat import ChatFormat
 from ray_xlong.rollout.tasks.lookup import noisy_demonstrations
@@ -75,13 +76,9 @@ class WarmStartConfig:
 
     def __post_init__(self) -> None:
         for name in ("clean_steps", "noisy_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"WarmStartConfig.{name} must be an int >= 0, got {value!r}")
+            check_int("WarmStartConfig", name, getattr(self, name), minimum=0)
         for name in ("batch_size", "demonstrations", "check_steps", "check_demonstrations"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"WarmStartConfig.{name} must be an int >= 1, got {value!r}")
+            check_int("WarmStartConfig", name, getattr(self, name), minimum=1)
         if not 0.0 <= self.right_key_rate <= 1.0:
             raise ValueError(f"WarmStartConfig.right_key_rate must be in [0, 1], "
                              f"got {self.right_key_rate!r}")
@@ -92,8 +89,7 @@ class WarmStartConfig:
         if not 0.0 <= self.min_accuracy <= 1.0:
             raise ValueError(f"WarmStartConfig.min_accuracy must be in [0, 1], "
                              f"got {self.min_accuracy!r}")
-        if isinstance(self.max_clean_steps, bool) or not isinstance(self.max_clean_steps, int) \
-                or self.max_clean_steps < self.clean_steps:
+        if not is_int(self.max_clean_steps) or self.max_clean_steps < self.clean_steps:
             raise ValueError(f"WarmStartConfig.max_clean_steps must be an int >= clean_steps "
                              f"({self.clean_steps}), got {self.max_clean_steps!r}")
 
