@@ -123,16 +123,16 @@ def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, se
     a = audit(result, config.job)
     # Recovery time: from each kill to the end of the recovery that followed it (for a node:
     # to the cell's retirement, when the job goes on without it; rebuild_s: to its rebuild).
-    kills = [f["t"] for f in act.injector.log]
+    kills = [f.t for f in act.injector.log]
 
     def gaps_to(kinds: tuple[str, ...]) -> list[float]:
-        done = sorted(f["t"] + f["recover_s"] for f in result.faults if f["kind"] in kinds)
+        done = sorted(f.t + f.recover_s for f in result.faults if f.kind in kinds)
         return [next((d - k for d in done if d >= k), float("nan")) for k in kills]
 
     gaps = gaps_to(KIND_RECORDS[kind])
     rebuild = gaps_to(("node_returned",)) if kind == "node" else []
     out = row(kind, act.injector.injected[kind], a, gaps, job_s, result.faults,
-              detected=sum(1 for f in result.faults if f["kind"] in KIND_RECORDS[kind]))
+              detected=sum(1 for f in result.faults if f.kind in KIND_RECORDS[kind]))
     if kind == "node":
         finite = [g for g in rebuild if g == g]
         out["rebuild_s"] = round(sum(finite) / len(finite), 3) if finite else None
@@ -196,8 +196,8 @@ def row(kind: str, injected: int, a, gaps: list[float], job_s: float, records, *
             "recover_s": round(sum(finite) / len(finite), 3) if finite else None,
             "audit_ok": a.ok, "steps": a.steps, "versions_consistent": a.versions_consistent,
             "violations": list(a.violations)[:5], "job_s": round(job_s, 2),
-            "micro_batches_redone": sum(r.get("micro_batches_redone", 0) for r in records),
-            "runs_from_spool": sum(r.get("runs_from_spool", 0) for r in records)}
+            "micro_batches_redone": sum(r.micro_batches_redone for r in records),
+            "runs_from_spool": sum(r.runs_from_spool for r in records)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,12 +40,12 @@ from typing import Any, Sequence
 import ray
 
 from ray_xlong.cells.config import CellJobConfig
-from ray_xlong.cells.records import CellActorDied, EndedRun, Pending, StepObserver
+from ray_xlong.cells.records import CellActorDied, EndedRun, FaultRecord, Pending, StepObserver
 from ray_xlong.cells.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
                                            actor_alive, actor_lost, plan_step)
 
 __all__ = ["CellActorDied", "EndedRun", "Pending", "RayActuator", "StepObserver"]
-from ray_xlong.cells.metrics import RayResult
+from ray_xlong.cells.metrics import RayResult, job_result
 from ray_xlong.cells.pool import CellPool
 from ray_xlong.cells.runs import run_index
 from ray_xlong.cells.spool import RunSpool
@@ -104,7 +104,7 @@ class RayActuator:
 
     # -- read API --------------------------------------------------------------------------------
     @property
-    def faults(self) -> list[dict[str, Any]]:
+    def faults(self) -> list[FaultRecord]:
         """One record per recovery so far (``RayResult.faults``)."""
         return self.recovery.records
 
@@ -373,19 +373,10 @@ class RayActuator:
 
     def _push_weights(self) -> list[int]:
         """New weights to every engine not training; returns the cells whose runner died."""
-        weights, version = self.learners.weights_ref, self.learners.version
-        pushes = {c: self.cells[c].runner.set_weights.remote(weights, version)
-                  for c, role in enumerate(self.m.role)
-                  if role is not Role.TRAINING and c not in self.retired}
-        failed = []
-        for cell, ref in pushes.items():
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                if not actor_lost(exc):
-                    raise
-                failed.append(cell)
-        return failed
+        return self.pool.push_weights(
+            [c for c, role in enumerate(self.m.role)
+             if role is not Role.TRAINING and c not in self.retired],
+            self.learners.weights_ref, self.learners.version)
 
     def _forget_trained(self, run_ids: Sequence[str]) -> None:
         """Runs of a finished step: drop their payload refs (the objects are freed) and their
@@ -398,14 +389,5 @@ class RayActuator:
             self.spooled_trained.clear()
 
     def result(self) -> RayResult:
-        """Measurements of the finished job."""
-        led = self.m.ledger
-        return RayResult(
-            mode=self.policy.name, makespan_s=self.now(), cells=len(self.cells),
-            slots_per_cell=self.cfg.slots_per_cell,
-            staleness=tuple(s - v for s, v in zip(led.trained_step, led.group_version)),
-            token_staleness_max=self.token_staleness, trained_step=tuple(led.trained_step),
-            trained_runs=tuple(tuple(self.trained.get(s, ())) for s in range(self.m.version)),
-            events=tuple(self.m.log), timings={k: tuple(v) for k, v in self.stats.items()},
-            placement_groups_created=self.pool.placement_groups_created,
-            faults=tuple(self.recovery.records))
+        """Measurements of the job so far (``metrics.job_result``)."""
+        return job_result(self)

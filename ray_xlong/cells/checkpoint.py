@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import ray
 import torch
 
-from ray_xlong.cells.records import EndedRun
+from ray_xlong.cells.records import EndedRun, FaultRecord
 from ray_xlong.cells.learner_group import ElasticLearnerGroup
 from ray_xlong.scheduling import Role
 
@@ -90,9 +90,9 @@ def resume(act: RayActuator, path: str | os.PathLike) -> None:
     if act.spool is not None:  # results of runs started after the checkpoint: re-run
         act.spool.discard(act.spool.run_ids() - set(act.held_runs))
     act.resumed_at = time.time()
-    act.recovery.records.append({"kind": "driver", "cell": -1, "t": act.now(),
-                                 "runs_rerun": rerun, "runs_from_spool": from_spool,
-                                 "micro_batches_redone": 0, "recover_s": 0.0})
+    act.recovery.records.append(FaultRecord("driver", -1, "resumed from a checkpoint",
+                                            act.now(), 0.0, runs_rerun=rerun,
+                                            runs_from_spool=from_spool))
 
 
 def _ended_from_spool(act: RayActuator, ended: dict) -> None:

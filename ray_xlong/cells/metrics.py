@@ -12,9 +12,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
+from typing import TYPE_CHECKING
 
 from ray_xlong.cells.runs import run_key
 from ray_xlong.scheduling import Event
+
+if TYPE_CHECKING:
+    from ray_xlong.cells.actuator import RayActuator
+    from ray_xlong.cells.records import FaultRecord
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,10 +49,8 @@ class RayResult:
     ``micro_batch_targets``, ``step_members``."""
     placement_groups_created: int
     """Placement groups created by the pool (all at start-up)."""
-    faults: tuple[dict, ...] = ()
-    """One record per recovery (``kind`` runner / learner / both / node / node_returned /
-    driver, ``cell``, ``t``, ``runs_rerun``, ``runs_from_spool``, ``micro_batches_redone``,
-    ``recover_s``)."""
+    faults: tuple[FaultRecord, ...] = ()
+    """One record per recovery (``cells.records.FaultRecord``)."""
 
     @property
     def busy_cell_s(self) -> float:
@@ -73,6 +76,21 @@ class RayResult:
                 out[f"{name}_max"] = max(values)
                 out[f"{name}_count"] = len(values)
         return out
+
+
+def job_result(act: RayActuator) -> RayResult:
+    """The measurements of an actuator's job so far (its machine's ledger and log, its
+    timings, trained runs and recoveries)."""
+    led = act.m.ledger
+    return RayResult(
+        mode=act.policy.name, makespan_s=act.now(), cells=len(act.cells),
+        slots_per_cell=act.cfg.slots_per_cell,
+        staleness=tuple(s - v for s, v in zip(led.trained_step, led.group_version)),
+        token_staleness_max=act.token_staleness, trained_step=tuple(led.trained_step),
+        trained_runs=tuple(tuple(act.trained.get(s, ())) for s in range(act.m.version)),
+        events=tuple(act.m.log), timings={k: tuple(v) for k, v in act.stats.items()},
+        placement_groups_created=act.pool.placement_groups_created,
+        faults=tuple(act.faults))
 
 
 def check_invariants(result: RayResult, *, staleness_bound: int) -> list[str]:

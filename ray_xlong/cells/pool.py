@@ -185,6 +185,22 @@ class CellPool:
         self.actors_replaced += 1
         return actor
 
+    def push_weights(self, cells: Sequence[int], weights: Any, version: int) -> list[int]:
+        """Load ``weights`` (a ref) at ``version`` into the engines of ``cells`` (each runner
+        applies them between engine batches) and wait; returns the cells whose runner died."""
+        from ray_xlong.cells.learner_group import actor_lost
+
+        pushes = {c: self.cells[c].runner.set_weights.remote(weights, version) for c in cells}
+        failed = []
+        for cell, ref in pushes.items():
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                if not actor_lost(exc):
+                    raise
+                failed.append(cell)
+        return failed
+
     def placed(self, cell: int) -> bool:
         """Whether ``cell``'s placement group holds all its bundles on alive nodes."""
         from ray.util import placement_group_table

@@ -1,6 +1,6 @@
 """The records the cell runtime passes between its parts (frozen, one docstring per field): a
-call the driver waits for, a run that ended and is not trained yet, what an observer of a job
-is told, and the error of an actor loss with no recovery.
+call the driver waits for, a run that ended and is not trained yet, one recovery from a loss,
+what an observer of a job is told, and the error of an actor loss with no recovery.
 """
 
 from __future__ import annotations
@@ -41,6 +41,32 @@ class EndedRun:
     """Ref of the episode list holding it (in the object store where it was processed)."""
     cell: int
     """The cell whose runner processed it (where the payload lives)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FaultRecord:
+    """One recovery from a loss (``RayResult.faults``; the fault audit reads them)."""
+
+    kind: str
+    """``runner`` / ``learner`` / ``both`` (an actor rebuilt in place, or both), ``node`` (the
+    cell retired with its node), ``node_returned`` (a retired cell rebuilt) or ``driver`` (a new
+    driver resumed from a checkpoint)."""
+    cell: int
+    """The cell (-1: ``driver``)."""
+    why: str
+    """The call that found the loss (empty for ``node_returned``)."""
+    t: float
+    """Job time the loss was found (seconds)."""
+    recover_s: float
+    """Seconds the recovery took."""
+    runs_rerun: int = 0
+    """Live runs started again (same ids) because their runner or node was lost."""
+    runs_from_spool: int = 0
+    """Runs that had ended into the spool and were delivered from it."""
+    micro_batches_redone: int = 0
+    """Micro-batches of the step trained again (the lost learner's share)."""
+    retired: bool = False
+    """The cell left the job until its placement group is placed again."""
 
 
 class StepObserver(Protocol):

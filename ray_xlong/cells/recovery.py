@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from ray_xlong.cells.actuator import INF
-from ray_xlong.cells.records import CellActorDied, EndedRun, Pending
+from ray_xlong.cells.records import CellActorDied, EndedRun, FaultRecord, Pending
 from ray_xlong.cells.learner_group import MicroBatch, actor_alive, actor_lost
 from ray_xlong.cells.runs import run_key
 from ray_xlong.scheduling import Event, Role
@@ -42,18 +42,17 @@ class Recovery:
 
     def __init__(self, act: RayActuator) -> None:
         self.act = act
-        self.records: list[dict[str, Any]] = []
-        """One record per recovery: ``kind``, ``cell``, ``why``, ``t``, ``runs_rerun``,
-        ``runs_from_spool``, ``micro_batches_redone``, ``recover_s`` (``RayResult.faults``)."""
+        self.records: list[FaultRecord] = []
+        """One record per recovery (``RayResult.faults``)."""
         self.retired: set[int] = set()
         """Cells whose node was lost, not yet rebuilt."""
 
     def _record(self, kind: str, cell: int, t: float, t0: float, *, why: str = "",
-                rerun: int = 0, from_spool: int = 0, redone: int = 0, **extra: Any) -> None:
-        self.records.append({"kind": kind, "cell": cell, "why": why, "t": t,
-                             "runs_rerun": rerun, "runs_from_spool": from_spool,
-                             "micro_batches_redone": redone,
-                             "recover_s": time.perf_counter() - t0, **extra})
+                rerun: int = 0, from_spool: int = 0, redone: int = 0,
+                retired: bool = False) -> None:
+        self.records.append(FaultRecord(kind, cell, why, t, time.perf_counter() - t0,
+                                        runs_rerun=rerun, runs_from_spool=from_spool,
+                                        micro_batches_redone=redone, retired=retired))
 
     def drop_pending(self, cell: int, kinds: tuple[str, ...]) -> set[str]:
         """Forget pending refs of ``cell`` of these kinds (runs a ``wait_ended`` already

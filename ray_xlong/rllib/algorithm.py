@@ -164,7 +164,7 @@ class XLongAlgorithm(Algorithm):
         act = self.actuator.actuator if self.actuator is not None else None
         fault = rx_results.fault_tolerance(
             cells=self.job.layout.cells, retired=len(act.retired) if act else 0,
-            recoveries=sum(f.get("kind") != "node_returned" for f in act.faults) if act else 0)
+            recoveries=sum(f.kind != "node_returned" for f in act.faults) if act else 0)
         return rx_results.complete(out, fault=fault)
 
     def restore_env_runners(self, env_runner_group) -> list:

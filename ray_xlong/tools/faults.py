@@ -64,6 +64,20 @@ class FaultPlan:
                              f"{self.window!r}")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Injection:
+    """One fault the injector fired."""
+
+    kind: str
+    """``runner`` | ``learner`` | ``node``."""
+    cell: int
+    """The victim cell."""
+    t: float
+    """Job time it fired (seconds)."""
+    runs_ended: int
+    """Runs of the job that had ended by then."""
+
+
 class FaultInjector:
     """Fires a :class:`FaultPlan` into a running :class:`~ray_xlong.cells.actuator.RayActuator`.
     """
@@ -89,7 +103,7 @@ class FaultInjector:
         self.remove_node, self.restore_node = remove_node, restore_node
         self.down: list[tuple[float, Any]] = []  # (time to restore, token)
         self.injected: collections.Counter = collections.Counter()
-        self.log: list[dict[str, Any]] = []
+        self.log: list[Injection] = []
 
     def tick(self, act: Any) -> None:
         """Fire every fault whose moment has come (a fault waits for a victim that would
@@ -140,8 +154,7 @@ class FaultInjector:
                 if token is not None:
                     self.down.append((time.monotonic() + self.plan.node_down_s, token))
         self.injected[kind] += 1
-        self.log.append({"kind": kind, "cell": cell, "t": act.now(),
-                         "runs_ended": act.runs_ended()})
+        self.log.append(Injection(kind, cell, act.now(), act.runs_ended()))
         return True
 
     def finish(self) -> None:
