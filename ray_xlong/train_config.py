@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from ray_xlong.checks import is_int
 from ray_xlong.rllib.algorithm_config import XLongOptions
 from ray_xlong.rollout import HarnessConfig
 from ray_xlong.trajectory import LossConfig
@@ -60,9 +61,9 @@ class RunOptions:
     """W&B project / MLflow experiment name."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+        if not is_int(self.steps) or self.steps < 1:
             raise ConfigError(f"RunOptions.steps must be an int >= 1, got {self.steps!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ConfigError(f"RunOptions.seed must be an int >= 0, got {self.seed!r}")
         for name in ("out", "workdir", "project"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ray_xlong.checks import is_int
+
 SPECIAL_TOKENS: tuple[str, ...] = (
     "<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>",
     "<|call|>", "<|answer|>", "<|end|>", "<|summarize|>", "<|summary|>",
@@ -83,7 +85,7 @@ def build_tokenizer(*, vocab_size: int = 512, extra_texts: Sequence[str] = (),
     specials = SPECIAL_TOKENS if spec is None else spec["specials"]
     corpus = list(_CORPUS) + ([] if spec is None else list(_TEMPLATE_CORPUS))
     floor = 256 + len(specials)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < floor:
+    if not is_int(vocab_size) or vocab_size < floor:
         raise ValueError(f"build_tokenizer: vocab_size must be an int >= {floor}, "
                          f"got {vocab_size!r}")
     tok = Tokenizer(models.BPE())

@@ -33,6 +33,8 @@ from typing import Mapping, Protocol, Sequence
 import numpy as np
 import torch
 
+from ray_xlong.checks import check_int
+
 
 class EngineError(RuntimeError):
     """A request could not be served (backend failure, closed engine). Retrying may succeed."""
@@ -52,10 +54,7 @@ class SamplingConfig:
     """Per-request sampling seed (None: drawn from the engine's seeded generator)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
-                or self.max_tokens < 1:
-            raise ValueError(f"SamplingConfig.max_tokens must be an int >= 1, "
-                             f"got {self.max_tokens!r}")
+        check_int("SamplingConfig", "max_tokens", self.max_tokens, minimum=1)
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):

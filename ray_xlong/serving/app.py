@@ -37,6 +37,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ray_xlong.checks import check_int
 from ray_xlong.rollout.chat import ChatFormatError
 from ray_xlong.rollout.engine import Engine, GenerateResult, SamplingConfig
 from ray_xlong.rollout.template_format import TemplateFormat
@@ -82,9 +83,7 @@ class EndpointConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "default_max_tokens", "max_queue", "retry_after_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"EndpointConfig.{name} must be an int >= 1, got {value!r}")
+            check_int("EndpointConfig", name, getattr(self, name), minimum=1)
         if not self.model_name:
             raise ValueError("EndpointConfig.model_name must be a non-empty string")
 

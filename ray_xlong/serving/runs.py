@@ -21,6 +21,7 @@ import uuid
 
 import numpy as np
 
+from ray_xlong.checks import check_int
 from ray_xlong.rollout.engine import GenerateResult
 from ray_xlong.serving.messages import AgentTag
 from ray_xlong.serving.prompts import AgentContext
@@ -58,10 +59,7 @@ class RunLimits:
     def __post_init__(self) -> None:
         if not isinstance(self.wall_clock_s, (int, float)) or not 0 < self.wall_clock_s:
             raise ValueError(f"RunLimits.wall_clock_s must be > 0, got {self.wall_clock_s!r}")
-        if isinstance(self.max_run_tokens, bool) or not isinstance(self.max_run_tokens, int) \
-                or self.max_run_tokens < 1:
-            raise ValueError(f"RunLimits.max_run_tokens must be an int >= 1, "
-                             f"got {self.max_run_tokens!r}")
+        check_int("RunLimits", "max_run_tokens", self.max_run_tokens, minimum=1)
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ray_xlong.checks import is_int
 from ray_xlong.rollout.chat import ToolCall, demonstration_ids
 from ray_xlong.rollout.tasks.base import Observation, ToolError
 from ray_xlong.rollout.tool_calls import function_schema
@@ -40,8 +41,7 @@ class LookupTask:
     """One instance (see module docstring)."""
 
     def __init__(self, seed: int, *, num_keys: int = 10) -> None:
-        if isinstance(num_keys, bool) or not isinstance(num_keys, int) \
-                or not 2 <= num_keys <= 10:
+        if not is_int(num_keys) or not 2 <= num_keys <= 10:
             raise ValueError(f"LookupTask.num_keys must be an int in [2, 10], got {num_keys!r}")
         rng = np.random.default_rng(seed)
         self.table = {str(k): str(int(v)) for k, v in
