@@ -101,7 +101,7 @@ class XLongAlgorithm(Algorithm):
         opt = self.config.xlong_options
         rollout = RolloutConfig(model_dir=self.job.learner.model_dir, backend=opt.engine,
                                 harness=opt.harness, max_batch_size=opt.slots_per_cell,
-                                seed=int(self.config.seed or 0))
+                                seed=int(self.config.seed or 0), dtype=self.job.learner.dtype)
         actors = cell_actors(rollout=rollout, learner=self.job.learner,
                              processor=self.job.processor, seed=int(self.config.seed or 0),
                              spool_dir=self.job.spool_dir,

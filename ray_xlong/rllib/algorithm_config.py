@@ -75,7 +75,8 @@ class XLongOptions:
     """Policy directory (model + tokenizer); ``rl_module(model_config={"model_dir": ...})``
     overrides it. Required to build."""
     dtype: str = "float32"
-    """Learner dtype."""
+    """Weight dtype of the Learners and the engines (``float32`` | ``bfloat16``): both load
+    the same weights."""
     loss: LossConfig = LossConfig()
     """Token loss (PPO clip ε low/high, or TIS)."""
     pack: str = "tree"

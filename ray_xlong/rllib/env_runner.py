@@ -48,6 +48,11 @@ EngineFactory = Callable[[], Engine]
 """``make() -> Engine``: builds the runner's engine (called once, on the runner's loop)."""
 
 
+ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float64": torch.float64}
+"""``RolloutConfig.dtype`` names."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RolloutConfig:
     """What an :class:`AgentEnvRunner` hosts."""
@@ -62,6 +67,9 @@ class RolloutConfig:
     """Engine batch size."""
     seed: int = 0
     """Engine seed."""
+    dtype: str = "float32"
+    """Engine weight / compute dtype: ``float32`` | ``bfloat16`` (``float64``: HF only). The
+    Learner's ``LearnerSettings.dtype`` is passed here, so both load the same weights."""
     engine_factory: EngineFactory | None = None
     """Builds the engine instead of ``backend`` (e.g. a scripted engine)."""
 
@@ -74,6 +82,11 @@ class RolloutConfig:
                              f"got {self.backend!r}")
         if not isinstance(self.harness, HarnessConfig):
             raise ValueError("RolloutConfig.harness must be a HarnessConfig")
+        if self.dtype not in ENGINE_DTYPES or (self.backend == "vllm"
+                                                and self.dtype == "float64"):
+            allowed = ("float32", "bfloat16") if self.backend == "vllm" else tuple(ENGINE_DTYPES)
+            raise ValueError(f"RolloutConfig.dtype must be one of {allowed} for backend "
+                             f"{self.backend!r}, got {self.dtype!r}")
 
 
 class AgentEnvRunner(EnvRunner):
@@ -111,8 +124,10 @@ class AgentEnvRunner(EnvRunner):
         if cfg.backend == "vllm":
             from ray_xlong.rollout.vllm_engine import VLLMEngine
 
-            return VLLMEngine(cfg.model_dir, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
-        return HFEngine(cfg.model_dir, max_batch_size=cfg.max_batch_size, seed=cfg.seed)
+            return VLLMEngine(cfg.model_dir, max_batch_size=cfg.max_batch_size, seed=cfg.seed,
+                              dtype=cfg.dtype)
+        return HFEngine(cfg.model_dir, max_batch_size=cfg.max_batch_size, seed=cfg.seed,
+                        dtype=ENGINE_DTYPES[cfg.dtype])
 
     # -- runs -------------------------------------------------------------------------------
     def start_runs(self, specs: Sequence[RunSpec]) -> list[str]:

@@ -27,6 +27,7 @@ def rollout_config(config: CellJobConfig) -> RolloutConfig:
     model_dir = config.learner.model_dir
     return RolloutConfig(model_dir=model_dir, harness=config.harness,
                          max_batch_size=max(config.slots_per_cell, 1),
+                         dtype=config.learner.dtype,
                          engine_factory=config.work.engine_factory(model_dir))
 
 

@@ -118,3 +118,22 @@ def test_runner_as_a_ray_actor(model_dir, monkeypatch):
         ray.get(actor.stop.remote())
     finally:
         ray.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_loads_the_learners_dtype(model_dir, dtype):
+    import torch
+
+    runner = make_runner(model_dir, dtype=dtype)
+    try:
+        want = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        assert {p.dtype for p in runner.engine.model.parameters()} == {want}
+    finally:
+        runner.stop()
+
+
+def test_a_dtype_the_backend_cannot_load_names_the_field(model_dir):
+    with pytest.raises(ValueError, match=r"RolloutConfig\.dtype .*'vllm'"):
+        RolloutConfig(model_dir=model_dir, backend="vllm", dtype="float64")
+    with pytest.raises(ValueError, match=r"RolloutConfig\.dtype"):
+        RolloutConfig(model_dir=model_dir, dtype="int8")
