@@ -103,7 +103,7 @@ class SteppingActuator:
         self.recorder = StepRecorder()
         self.actuator = RayActuator(config, policy, pool, version_offset=version,
                                     observer=self.recorder)
-        self.offset, self.state_ref, self.weights_ref = version, state_ref, weights_ref
+        self.state_ref, self.weights_ref = state_ref, weights_ref
 
     @property
     def m(self) -> Any:
@@ -139,7 +139,7 @@ class SteppingActuator:
         s = rec.per_step.pop(step, collections.Counter())
         roles = collections.Counter(r.value for r in act.m.role)
         return StepReport(
-            version=self.offset + act.m.version,
+            version=act.learners.version,       # the one policy version: the learner group's
             reward_mean=float(np.mean(rewards)) if rewards else 0.0, runs=len(rewards),
             tokens_trained=s["tokens_trained"], unique_tokens=s["unique_tokens"],
             total_tokens=s["total_tokens"], trajectories_kept=s["trajectories_kept"],
