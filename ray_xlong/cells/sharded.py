@@ -199,7 +199,8 @@ class _TokenLogprobs(torch.nn.Module):
         self.lm = lm
 
     def forward(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        return token_logprobs(self.lm, PackedBatch.from_tensors(tensors))
+        # a fresh tensor, not a view: FSDP's pre-backward hook sits on the root's output
+        return token_logprobs(self.lm, PackedBatch.from_tensors(tensors)).clone()
 
 
 def _sharded_model(settings: LearnerSettings, sharding: ShardingSettings, device: torch.device,
