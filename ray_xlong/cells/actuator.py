@@ -56,6 +56,7 @@ from typing import Any
 import ray
 import torch
 
+from ray_xlong.cells.sharded import kill
 from ray_xlong.cells.pool import CellPool
 from ray_xlong.cells.config import CellJobConfig
 from ray_xlong.cells.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
@@ -495,7 +496,7 @@ class RayActuator:
         spooled = self._spooled(cell)
         self._deliver(cell, spooled)  # ended before the loss
         for actor in (self.cells[cell].runner, self.cells[cell].learner):
-            ray.kill(actor, no_restart=True)  # a survivor on another node must not run on
+            kill(actor)  # a survivor on another node must not run on
         self.chain.pop(cell, None)
         try:
             orphans = self.m.retire_cell(cell, self.now())

@@ -21,16 +21,18 @@ ref, or a ref that fails when any rank failed.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import ray
 import torch
 
-from ray_xlong.cells.config import DTYPES, LearnerSettings
 from ray_xlong.cells.sharding import ShardingSettings, ranks_per_bundle
 from ray_xlong.trajectory.loss import policy_loss
 from ray_xlong.trajectory.model import token_logprobs
 from ray_xlong.trajectory.packing import PackedBatch, _take_rows
+
+if TYPE_CHECKING:  # config.py imports pool.py, which imports this module
+    from ray_xlong.cells.config import LearnerSettings
 
 
 class LearnerRank:
@@ -211,6 +213,7 @@ def _sharded_model(settings: LearnerSettings, sharding: ShardingSettings, device
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    from ray_xlong.cells.config import DTYPES
     from ray_xlong.models import load_model
     from ray_xlong.trajectory.tree_attention import ATTN_IMPLEMENTATION, register
 
@@ -286,6 +289,14 @@ class ShardedCell:
         """Stop every rank."""
         for r in self.ranks:
             ray.kill(r, no_restart=True)
+
+
+def kill(actor: Any) -> None:
+    """``ray.kill(actor, no_restart=True)``, or every rank of a :class:`ShardedCell`."""
+    if isinstance(actor, ShardedCell):
+        actor.kill()
+    else:
+        ray.kill(actor, no_restart=True)
 
 
 def start_sharded_cell(*, pg: Any, settings: LearnerSettings, sharding: ShardingSettings,

@@ -96,7 +96,7 @@ class CellRunner(AgentEnvRunner):
 
 def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
                 tasks: Mapping[str, TaskFactory] | None = None, seed: int = 0,
-                spool_dir: str | None = None) -> CellActors:
+                spool_dir: str | None = None, sharding: Any = None) -> CellActors:
     """The runner (:class:`CellRunner` on ``rollout``; ``tasks`` registered in it; ended runs
     spooled to ``spool_dir`` when given) and the learner (:class:`XLongLearner` on
     ``learner``, seeded) every cell hosts."""
@@ -108,4 +108,5 @@ def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
         runner_kwargs={"config": AlgorithmConfig(), "rollout_config": rollout,
                        "tasks": dict(tasks or {}), "spool_dir": spool_dir},
         learner_class=XLongLearner,
-        learner_kwargs={"config": config, "module_spec": spec})
+        learner_kwargs={"config": config, "module_spec": spec},
+        learner_settings=learner, sharding=sharding)

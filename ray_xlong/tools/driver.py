@@ -34,7 +34,7 @@ def start_cells(config: CellJobConfig) -> CellPool:
     """Create the cells of ``config.layout`` on the connected Ray cluster (once per process)."""
     actors = cell_actors(rollout=rollout_config(config), learner=config.learner,
                          tasks=config.work.tasks(), seed=config.work.seed,
-                         spool_dir=config.spool_dir)
+                         spool_dir=config.spool_dir, sharding=config.sharding)
     return create_cells(config.layout, actors=actors)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import sys
 
 import pytest
 
@@ -19,6 +20,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check
 def test_gpu_check_cpu_smoke(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("gpu_check_bench", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod                 # its dataclass looks its module up
     spec.loader.exec_module(mod)
     out = tmp_path / "out.json"
     mod.main(["--device", "cpu", "--seed", "0", "--json", str(out)])
