@@ -151,7 +151,7 @@ def stage_fsdp_step(ctx: Ctx) -> dict:
     cell = _cell(ctx, ranks)
     t0 = time.perf_counter()
     group = ElasticLearnerGroup([cell])
-    micro = chunk(runs_for(ctx), processor=ProcessorConfig(), max_tokens=300)
+    micro = chunk(runs_for(ctx), processor=ProcessorConfig(row_tokens=256), max_tokens=1000)
     group.begin(0)
     ray.get(group.join(0))
     ray.get([group.submit(0, m, new_chunk=i == 0) for i, m in enumerate(micro)])
@@ -174,7 +174,7 @@ def stage_elastic_2cell(ctx: Ctx) -> dict:
     ray.get(first.set_xlong_state.remote(fresh))
     t0 = time.perf_counter()
     group = ElasticLearnerGroup([first, second])
-    micro = chunk(runs_for(ctx), processor=ProcessorConfig(), max_tokens=300)
+    micro = chunk(runs_for(ctx), processor=ProcessorConfig(row_tokens=256), max_tokens=1000)
     group.begin(0)
     ray.get(group.join(0))
     refs, half = [], len(micro) // 2

@@ -78,3 +78,57 @@ def test_rank_rows_cover_every_row_once_and_pad_an_idle_rank():
     idle, targets = rank_rows(packed, rank=rows, world_size=rows + 1)
     assert targets == 0 and idle.input_ids.shape[0] == 1
     assert torch.count_nonzero(idle.loss_scale) == 0
+
+
+@pytest.mark.slow
+def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir):
+    """Rank 1 of cell 1 dies between micro-batches: the cell's next call fails as an actor loss
+    (``actor_lost``), a new 2-rank cell takes its place, the micro-batches the dead cell held go
+    to the queue again, and both steps end on the plain-torch weights."""
+    from ray_xlong.cells.learner_group import actor_lost, chunk
+
+    want = reference_weights(model_dir, "float32")
+    start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}
+    settings = LearnerSettings(model_dir=model_dir, lr=LR, dtype="float32")
+    sharding = ShardingSettings(ranks_per_cell=2, timeout_s=15)
+
+    def new_cell():
+        cell = start_sharded_cell(pg=None, settings=settings, sharding=sharding,
+                                  nodes_per_cell=1, gpus_per_node=0)
+        ray_local.get(cell.build.remote())
+        return cell
+
+    cells = [new_cell(), new_cell()]
+    group = ElasticLearnerGroup(cells)
+    lost = []
+    try:
+        for step in range(2):
+            micro = chunk(step_runs(step), processor=PROC, max_tokens=WIDE_MICRO_TOKENS)
+            group.begin(step)
+            ray_local.get([group.join(c) for c in range(2)])
+            queue, i = [(m, j == 0) for j, m in enumerate(micro)], 0
+            while queue:
+                cell = sorted(group.members)[i % len(group.members)]
+                m, first = queue.pop(0)
+                if step == 0 and i == 2:
+                    ray_local.kill(group.learners[1].ranks[1], no_restart=True)
+                try:
+                    ray_local.get(group.submit(cell, m, new_chunk=first))
+                except ray_local.exceptions.RayError as exc:
+                    assert actor_lost(exc) or "rank" in str(exc).lower() or cell == 1
+                    group.learners[cell].kill()
+                    replacement = new_cell()
+                    ray_local.get(replacement.set_xlong_state.remote(group.state_ref))
+                    queue += [(x, False) for x in group.replace(cell, replacement)]
+                    ray_local.get(group.join(cell))
+                    lost.append(cell)
+                i += 1
+            group.finish()
+        assert lost == [1] and group.version == 2
+        weight_err, update_err = errors(ray_local.get(group.learners[1].get_weights.remote()),
+                                        want, start)
+        print(f"rank lost: weights {weight_err:.2e}, update {update_err:.2e}")
+        assert weight_err <= 1e-5 and update_err <= 1e-4
+    finally:
+        for c in group.learners:
+            c.kill()
