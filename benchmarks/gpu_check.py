@@ -168,8 +168,13 @@ def stage_elastic_2cell(ctx: Ctx) -> dict:
 
     from ray_xlong.cells.learner_group import ElasticLearnerGroup, chunk
 
-    first = ctx.weights["cell"] if ctx.weights else _cell(ctx, 1)
-    second = _cell(ctx, 1)
+    if ctx.device == "cuda":   # two 1-rank cells sharing the first GPU (half each)
+        if ctx.weights:
+            ctx.weights["cell"].kill()
+        first, second = _cell(ctx, 1, gpu_share=0.5), _cell(ctx, 1, gpu_share=0.5)
+    else:
+        first = ctx.weights["cell"] if ctx.weights else _cell(ctx, 1)
+        second = _cell(ctx, 1)
     fresh = ray.get(second.get_xlong_state.remote())       # version 0, as the first one began
     ray.get(first.set_xlong_state.remote(fresh))
     t0 = time.perf_counter()
@@ -194,7 +199,7 @@ def stage_elastic_2cell(ctx: Ctx) -> dict:
     return out
 
 
-def _cell(ctx: Ctx, ranks: int):
+def _cell(ctx: Ctx, ranks: int, *, gpu_share: float | None = None):
     import ray
 
     from ray_xlong.cells.config import LearnerSettings
@@ -206,7 +211,7 @@ def _cell(ctx: Ctx, ranks: int):
     cell = start_sharded_cell(pg=None, settings=LearnerSettings(model_dir=ctx.model_dir,
                                                                 lr=1e-3), sharding=sharding,
                               nodes_per_cell=1, gpus_per_node=ranks if ctx.device == "cuda"
-                              else 0)
+                              else 0, gpus_per_rank=gpu_share)
     ray.get(cell.build.remote())
     return cell
 

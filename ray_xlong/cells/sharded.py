@@ -301,10 +301,12 @@ def kill(actor: Any) -> None:
 
 def start_sharded_cell(*, pg: Any, settings: LearnerSettings, sharding: ShardingSettings,
                        nodes_per_cell: int, gpus_per_node: int,
-                       cpus_per_rank: float = 0.0) -> ShardedCell:
+                       cpus_per_rank: float = 0.0,
+                       gpus_per_rank: float | None = None) -> ShardedCell:
     """Start ``sharding.ranks_per_cell`` ranks on the bundles of ``pg`` (the same number on
-    each; whole GPUs each on CUDA), form their process group and shard the model. Returns at
-    once: ``handle.build.remote()`` resolves when every rank is set up.
+    each; whole GPUs each on CUDA unless ``gpus_per_rank`` sets a share: cells of one rank
+    may share a GPU, ranks of one NCCL group may not), form their process group and shard the
+    model. Returns at once: ``handle.build.remote()`` resolves when every rank is set up.
 
     Raises:
         ShardingError: the layout cannot host the ranks (``sharding.ranks_per_bundle``).
@@ -313,6 +315,8 @@ def start_sharded_cell(*, pg: Any, settings: LearnerSettings, sharding: Sharding
 
     per = ranks_per_bundle(sharding, nodes_per_cell=nodes_per_cell, gpus_per_node=gpus_per_node)
     gpus = gpus_per_node // per if sharding.device == "cuda" else 0
+    if gpus_per_rank is not None and sharding.device == "cuda":
+        gpus = gpus_per_rank
     world = sharding.ranks_per_cell
     ranks = [ray.remote(LearnerRank).options(
         num_cpus=cpus_per_rank, num_gpus=gpus,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ray_xlong.cells.config import DTYPES, LearnerSettings
+from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.cells.learner_group import ElasticLearnerGroup
 from ray_xlong.cells.sharded import rank_rows, start_sharded_cell
 from ray_xlong.cells.sharding import ShardingSettings
