@@ -142,7 +142,7 @@ def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, se
 
 def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -> dict:
     """Run the job in a driver process, SIGKILL it after its first checkpoint, resume it."""
-    from ray_xlong.cells.actuator import CHECKPOINT
+    from ray_xlong.cells.checkpoint import CHECKPOINT
     from ray_xlong.tools.faults import audit
 
     os.makedirs(root, exist_ok=True)

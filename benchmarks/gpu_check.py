@@ -145,16 +145,16 @@ def stage_tree_step(ctx: Ctx) -> dict:
 def stage_fsdp_step(ctx: Ctx) -> dict:
     import ray
 
-    from ray_xlong.cells.learner_group import ElasticLearnerGroup, chunk
+    from ray_xlong.cells.learner_group import ElasticLearnerGroup
 
     ranks = max(1, torch.cuda.device_count()) if ctx.device == "cuda" else 2
     cell = _cell(ctx, ranks)
     t0 = time.perf_counter()
     group = ElasticLearnerGroup([cell])
-    micro = chunk(runs_for(ctx), processor=ProcessorConfig(row_tokens=256), max_tokens=1000)
+    micro, payloads = _plan(runs_for(ctx))
     group.begin(0)
     ray.get(group.join(0))
-    ray.get([group.submit(0, m, new_chunk=i == 0) for i, m in enumerate(micro)])
+    ray.get([group.submit(0, m, payloads=payloads) for m in micro])
     group.finish()
     seconds = time.perf_counter() - t0
     ctx.cell_weights = ray.get(cell.get_weights.remote())
@@ -166,7 +166,7 @@ def stage_fsdp_step(ctx: Ctx) -> dict:
 def stage_elastic_2cell(ctx: Ctx) -> dict:
     import ray
 
-    from ray_xlong.cells.learner_group import ElasticLearnerGroup, chunk
+    from ray_xlong.cells.learner_group import ElasticLearnerGroup
 
     if ctx.device == "cuda":   # two 1-rank cells sharing the first GPU (half each)
         if ctx.weights:
@@ -179,14 +179,14 @@ def stage_elastic_2cell(ctx: Ctx) -> dict:
     ray.get(first.set_xlong_state.remote(fresh))
     t0 = time.perf_counter()
     group = ElasticLearnerGroup([first, second])
-    micro = chunk(runs_for(ctx), processor=ProcessorConfig(row_tokens=256), max_tokens=1000)
+    micro, payloads = _plan(runs_for(ctx))
     group.begin(0)
     ray.get(group.join(0))
     refs, half = [], len(micro) // 2
     for i, m in enumerate(micro):
         if i == half:
             ray.get(group.join(1))                          # the second cell joins mid-step
-        refs.append(group.submit(0 if i < half else 1, m, new_chunk=i == 0))
+        refs.append(group.submit(0 if i < half else 1, m, payloads=payloads))
     ray.get(refs)
     group.finish()
     seconds = time.perf_counter() - t0
@@ -199,8 +199,28 @@ def stage_elastic_2cell(ctx: Ctx) -> dict:
     return out
 
 
+CELL_PROC = ProcessorConfig(row_tokens=256)   # the sharded cells' packing
+
+
+def _plan(runs: list) -> tuple[list, list]:
+    """What the actuator hands the group: micro-batches planned from the runs' digests and one
+    payload ref with their episodes, processed as a rollout cell does where they ended."""
+    import ray
+
+    from ray_xlong.cells.learner_group import plan_step
+    from ray_xlong.rllib.episodes import run_to_episode
+    from ray_xlong.trajectory.per_run import process_run
+
+    processed = [process_run(r, CELL_PROC) for r in runs]
+    payload = ray.put([run_to_episode(r, processed=p) for r, p in zip(runs, processed)])
+    micro, _ = plan_step([p.digest for p in processed], processor=CELL_PROC, max_tokens=1000)
+    return micro, [payload]
+
+
 def _cell(ctx: Ctx, ranks: int, *, gpu_share: float | None = None):
     import ray
+
+    from ray_xlong.rllib.episodes import processed_runs
 
     from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.cells.sharded import start_sharded_cell
@@ -211,7 +231,8 @@ def _cell(ctx: Ctx, ranks: int, *, gpu_share: float | None = None):
     cell = start_sharded_cell(pg=None, settings=LearnerSettings(model_dir=ctx.model_dir,
                                                                 lr=1e-3), sharding=sharding,
                               nodes_per_cell=1, gpus_per_node=ranks if ctx.device == "cuda"
-                              else 0, gpus_per_rank=gpu_share)
+                              else 0, gpus_per_rank=gpu_share, processor=CELL_PROC,
+                              runs_of=processed_runs)
     ray.get(cell.build.remote())
     return cell
 

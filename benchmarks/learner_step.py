@@ -1,10 +1,13 @@
 """The product Learner's training step, tree-packed vs per-trajectory, side by side.
 
 Not a side path: each variant is an ``XLongLearner`` built the way a cell builds it
-(``rllib.learner.learner_config`` from ``LearnerSettings``), fed the micro-batches the elastic
-learner group makes (``cells.learner_group.chunk_with_stats``), and timed over one whole step::
+(``rllib.learner.learner_config`` from ``LearnerSettings``), fed what a cell's learner gets: the
+runs processed where they ended (``per_run.process_run``, outside the timing, as on a rollout
+cell) and the micro-batch plan of the elastic step (``cells.learner_group.plan_step``); one whole
+step is timed::
 
-    chunk_with_stats(runs, pack=…) ─► accumulate(micro) × k ─► take_gradients ─► apply_step
+    accumulate_runs(micro) × k ─► take_gradients ─► apply_step
+      (Learner connector pipeline: PrefixTreeConnector packs the runs ─► forward + backward)
 
 | variant          | pack           | ``LearnerSettings.attn_implementation``                  |
 |------------------|----------------|----------------------------------------------------------|
@@ -33,10 +36,12 @@ import time
 import torch
 
 from ray_xlong.cells.config import LearnerSettings
-from ray_xlong.cells.learner_group import chunk_with_stats
+from ray_xlong.cells.learner_group import plan_step
 from ray_xlong.models import TinyModelConfig, build_tiny_model_dir
+from ray_xlong.rllib.episodes import run_to_episode
 from ray_xlong.rllib.learner import XLongLearner, learner_config
 from ray_xlong.trajectory import ProcessorConfig
+from ray_xlong.trajectory.per_run import process_run
 from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_runs
 
 VARIANTS = {"per_trajectory": ("per_trajectory", None), "tree": ("tree", None),
@@ -69,19 +74,21 @@ class Step:
                  micro_batch_tokens: int, seed: int) -> None:
         self.settings = LearnerSettings(model_dir=model_dir, attn_implementation=attn,
                                         micro_batch_tokens=micro_batch_tokens)
-        config, spec = learner_config(self.settings, seed=seed)
+        processor = ProcessorConfig(pack=pack, row_tokens=None)
+        config, spec = learner_config(self.settings, seed=seed, processor=processor)
         self.learner = XLongLearner(config=config, module_spec=spec)
         self.learner.build()
-        self.micro, self.stats = chunk_with_stats(
-            runs, processor=ProcessorConfig(pack=pack, row_tokens=None),
-            max_tokens=micro_batch_tokens)
-        self.total = sum(m.weight for i, m in enumerate(self.micro)
-                         if i == 0 or m.run_ids != self.micro[i - 1].run_ids)
+        processed = [process_run(r, processor) for r in runs]
+        self.payload = [run_to_episode(r, processed=p) for r, p in zip(runs, processed)]
+        self.micro, self.stats = plan_step([p.digest for p in processed], processor=processor,
+                                           max_tokens=micro_batch_tokens)
+        self.total = sum(m.weight for m in self.micro)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """Accumulate every micro-batch; the summed gradient (no optimizer step)."""
         for m in self.micro:
-            self.learner.accumulate(m.tensors, self.learner.version)
+            self.learner.accumulate_runs(m.run_ids, m.advantages, self.learner.version,
+                                         self.payload)
         return self.learner.take_gradients()
 
     def run(self) -> float:

@@ -23,7 +23,7 @@ import statistics
 import sys
 import tempfile
 
-MODES = ("colocated", "async", "elastic")
+from ray_xlong.scheduling.modes import PAPER_MODES as MODES  # the one mode registry
 
 
 def run(args: argparse.Namespace) -> dict:

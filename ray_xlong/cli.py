@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Sequence
 
+from ray_xlong.scheduling.modes import ALL_MODES, CELL_MODES, PAPER_MODES  # the one registry
+
 
 class CliError(Exception):
     """A user error: printed without a traceback, exit status 2."""
@@ -126,7 +128,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """The mode comparison, in the simulator or on Ray cells; ratios against elastic."""
-    modes = list(args.modes or ("colocated", "async", "elastic"))
+    modes = list(args.modes or PAPER_MODES)
     if args.forecast and "forecast" not in modes:
         modes.append("forecast")
     if "elastic" not in modes:
@@ -200,7 +202,7 @@ def _bench_ray(args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
     if importlib.util.find_spec("ray") is None:
         raise CliError("--backend ray needs Ray RLlib: pip install -e '.[rllib]' (or use "
                        "--backend sim)")
-    from ray_xlong.tools.mode_bench import ALL_MODES, run_comparison, table
+    from ray_xlong.tools.mode_bench import run_comparison, table
 
     _known_modes(modes, ALL_MODES)
     size = args.size or "quick"
@@ -369,8 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="RL on the lookup task on cells of a local Ray")
     p.add_argument("--mode", default="elastic",
-                   choices=["colocated", "async", "elastic", "colocated+streaming",
-                            "async+streaming"])
+                   choices=list(CELL_MODES))
     p.add_argument("--engine", default="vllm", choices=["hf", "vllm"])
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--seed", type=int, default=1)

@@ -2,12 +2,7 @@
 (``LearnerSettings``: what a cell's Learner trains and how).
 
 The mode is one field; every mode runs the same actuator (``actuator.py``), only the policy
-object from ``ray_xlong.scheduling`` changes (:func:`make_policy`)::
-
-    colocated            ColocatedPolicy()          all cells switch together
-    async                AsyncPolicy(rollout_cells) fixed pools
-    elastic              ElasticPolicy()            independent switches, streaming, joining
-    colocated+streaming / async+streaming           the streaming ablations
+object changes: :func:`make_policy` asks the one mode registry, ``ray_xlong.scheduling.modes``.
 """
 
 from __future__ import annotations
@@ -17,12 +12,12 @@ import dataclasses
 import torch
 
 from ray_xlong.cells.pool import CellLayout
+from ray_xlong.checks import check_int
 from ray_xlong.cells.long_horizon_job import LongHorizonJob
 from ray_xlong.cells.sharding import (ShardingSettings, check_model_fits, model_num_params,
                                       ranks_per_bundle)
 from ray_xlong.rollout import HarnessConfig
-from ray_xlong.scheduling import (AsyncPolicy, ColocatedPolicy, ElasticPolicy, Policy,
-                                  SchedulingConfig)
+from ray_xlong.scheduling import Policy, SchedulingConfig, modes
 from ray_xlong.trajectory import LossConfig, ProcessorConfig
 
 ATTENTIONS = ("xlong_tree", "sdpa", "eager", "flex_attention")
@@ -82,8 +77,8 @@ class LearnerSettings:
 
 
 
-MODES = ("colocated", "async", "elastic", "colocated+streaming", "async+streaming")
-"""Valid ``CellJobConfig.mode`` values."""
+MODES = modes.CELL_MODES
+"""Valid ``CellJobConfig.mode`` values (``scheduling.modes``, the one registry)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,9 +121,7 @@ class CellJobConfig:
         if self.mode not in MODES:
             raise ValueError(f"CellJobConfig.mode must be one of {MODES}, got {self.mode!r}")
         for name in ("slots_per_cell", "async_rollout_cells"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"CellJobConfig.{name} must be an int >= 1, got {value!r}")
+            check_int("CellJobConfig", name, getattr(self, name), minimum=1)
         if self.mode.startswith("async") and not 1 <= self.async_rollout_cells < self.layout.cells:
             raise ValueError(f"CellJobConfig.async_rollout_cells must be in [1, cells-1] = "
                              f"[1, {self.layout.cells - 1}], got {self.async_rollout_cells!r}")
@@ -149,14 +142,6 @@ class CellJobConfig:
 
 
 def make_policy(config: CellJobConfig) -> Policy:
-    """The scheduling policy of ``config.mode`` (the same objects the simulator runs)."""
-    r = config.async_rollout_cells
-    return {
-        "colocated": lambda: ColocatedPolicy(),
-        "async": lambda: AsyncPolicy(rollout_cells=r),
-        "elastic": lambda: ElasticPolicy(),
-        "colocated+streaming": lambda: ColocatedPolicy(streaming=True,
-                                                       name="colocated+streaming"),
-        "async+streaming": lambda: AsyncPolicy(rollout_cells=r, streaming=True,
-                                               name="async+streaming"),
-    }[config.mode]()
+    """The scheduling policy of ``config.mode`` (the registry's objects, as the simulator)."""
+    return modes.make_policy(config.mode,
+                             modes.ModeInputs(async_rollout_cells=config.async_rollout_cells))

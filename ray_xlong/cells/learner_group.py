@@ -4,8 +4,11 @@ progress between micro-batches and the update does not depend on who trained wha
 RLlib's ``LearnerGroup`` has a fixed size and reduces inside ``update``; here the actuator
 streams micro-batches as groups end and cells free up::
 
-    chunk(runs of the groups a step took) ─► micro-batches (tensors, weight = chunk normalizer)
-    begin(step) ; join(cell) … ; submit(cell, micro) …      any cell, any order, any time
+    plan_step(digests of the groups a step took) ─► micro-batches (run ids + advantages +
+                                                     weight = their normalizer share; no tokens)
+    begin(step) ; join(cell) … ; submit(cell, micro, payloads) …   any cell, any order, any time
+                 (the learner packs the runs from the payload refs: the Learner connector
+                  pipeline, XLongLearner.accumulate_runs)
     finish() ─► take_gradients on every member ─► apply_step(all grads, Σ weights) on every
                 member ─► state (weights + Adam) of version+1 in the object store
 
@@ -34,67 +37,54 @@ import ray
 import torch
 
 from ray_xlong.cells.reduce import reduce_gradients
-from ray_xlong.trajectory import AgentRun, BatchStats, ProcessorConfig, TrajectoryProcessor
-from ray_xlong.trajectory.packing import micro_batches
+from ray_xlong.trajectory import BatchStats, ProcessorConfig, group_advantages
+from ray_xlong.trajectory.per_run import (RunDigest, merge_stats, normalizer,
+                                          plan_micro_batches)
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+@dataclasses.dataclass(frozen=True, slots=True)
 class MicroBatch:
-    """One unit of training work sent to one cell."""
+    """One unit of training work sent to one cell: whole runs, by id (their tokens stay in
+    the object store where the runs ended; the learner fetches them)."""
 
-    tensors: dict[str, torch.Tensor]
-    """The micro-batch's tensor form (``PackedBatch.to_tensors``)."""
-    weight: float
-    """Normalizer of the chunk it came from (``tensors["loss_scale"]`` is already multiplied
-    by it: the micro-batch's loss is un-normalised)."""
-    targets: int
-    """Trained target tokens."""
     run_ids: tuple[str, ...]
-    """Runs of the chunk (a run's tree never spans chunks)."""
+    """The runs it trains."""
+    advantages: tuple[float, ...]
+    """Their advantages (computed over whole groups), in the same order."""
+    weight: float
+    """Its share of the step's normalizer (``per_run.normalizer`` of its runs): the learner
+    adds un-normalised gradients, the step divides by Σ weights."""
+    targets: int
+    """Target tokens it trains."""
+    min_version: int
+    """Oldest policy version among its targets (-1: none)."""
 
 
-def chunk_normalizer(num_targets: int, num_runs: int, loss_norm: str) -> float:
-    """The denominator ``pack`` divided a chunk's loss by (``token``: targets; ``run``: runs)."""
-    return float(max(num_targets if loss_norm == "token" else num_runs, 1))
-
-
-def chunk(runs: Sequence[AgentRun], *, processor: ProcessorConfig,
-          max_tokens: int) -> list[MicroBatch]:
-    """:func:`chunk_with_stats` without the processor statistics."""
-    return chunk_with_stats(runs, processor=processor, max_tokens=max_tokens)[0]
-
-
-def chunk_with_stats(runs: Sequence[AgentRun], *, processor: ProcessorConfig,
-                     max_tokens: int) -> tuple[list[MicroBatch], BatchStats]:
-    """Process the runs of whole groups into micro-batches (one processor pass).
+def plan_step(digests: Sequence[RunDigest], *, processor: ProcessorConfig,
+              max_tokens: int) -> tuple[list[MicroBatch], BatchStats]:
+    """Micro-batches of the ended runs of whole groups, from their digests (no tokens).
 
     Args:
-        runs: ended runs of complete groups (advantages are per group).
-        processor: trajectory processor configuration (``pack`` tree / per_trajectory).
-        max_tokens: micro-batch token budget.
+        digests: ended runs of complete groups (advantages are per group).
+        processor: ``normalize_std`` and ``loss_norm`` of the trajectory processor.
+        max_tokens: micro-batch token budget (whole runs; a bigger run goes alone).
 
     Returns:
-        ``(micro-batches, stats)``: micro-batches in order with un-normalised losses
-        (``loss_scale`` × the chunk's normalizer, their ``weight``), so ``Σ loss_i / Σ_chunks
-        weight`` is the loss of all chunks processed as one (with ``loss_norm="token"`` every
-        un-normalised scale is exactly 1, so chunking adds no rounding), and the processor's
-        :class:`BatchStats` of the runs.
+        ``(micro-batches, stats)``: Σ over micro-batches of their un-normalised losses ÷ Σ
+        ``weight`` is the loss of all the runs processed as one batch; the merged processor
+        counts of the runs.
     """
-    batch = TrajectoryProcessor(processor).process(list(runs))
-    packed = batch.packed
-    if packed is None:
-        raise ValueError("chunk.processor: pack must be 'tree' or 'per_trajectory', got 'none'")
-    weight = chunk_normalizer(packed.num_targets, batch.stats.runs, processor.loss_norm)
-    ids = tuple(r.run_id for r in runs)
+    by_id = {d.run_id: d for d in digests}
+    trainable = [d for d in digests if d.malformed is None and d.status != "failed"]
+    advantages = group_advantages(trainable, normalize_std=processor.normalize_std)
     out = []
-    for m in micro_batches(packed, max_tokens=max_tokens):
-        tensors = m.to_tensors()
-        scale = tensors["loss_scale"].double() * weight
-        if processor.loss_norm == "token":
-            scale = scale.round()
-        tensors["loss_scale"] = scale.to(tensors["loss_scale"].dtype)
-        out.append(MicroBatch(tensors, weight, m.num_targets, ids))
-    return out, batch.stats
+    for ids in plan_micro_batches(trainable, max_tokens=max_tokens):
+        ds = [by_id[r] for r in ids]
+        versions = [d.min_version for d in ds if d.min_version >= 0]
+        out.append(MicroBatch(ids, tuple(advantages[r] for r in ids),
+                              normalizer(ds, processor.loss_norm), sum(d.targets for d in ds),
+                              min(versions, default=-1)))
+    return out, merge_stats([d.stats for d in digests])
 
 
 class StepIncomplete(RuntimeError):
@@ -173,21 +163,25 @@ class ElasticLearnerGroup:
         self.learner_version[cell] = self.version
         return self.learners[cell].wake_up.remote(self.state_ref if behind else None, after)
 
-    def submit(self, cell: int, micro: MicroBatch, *, new_chunk: bool):
-        """Train ``micro`` on member ``cell`` (``new_chunk``: first micro-batch of a chunk,
-        its normalizer counts once). Returns a ref to the targets trained."""
+    def submit(self, cell: int, micro: MicroBatch, *, payloads: Sequence[Any],
+               counted: bool = False):
+        """Train ``micro`` on member ``cell``; ``payloads``: refs of the episode lists that
+        hold its runs (Ray moves them from where the runs ended straight to the learner).
+        ``counted``: its weight is already in the step's total (a micro-batch trained again).
+        Returns a ref to the targets trained."""
         if cell not in self.members:
             raise RuntimeError(f"ElasticLearnerGroup.submit: cell {cell} is not in step "
                                f"{self.step} (members {self.members})")
-        if new_chunk:
+        if not counted:
             self.total += micro.weight
         self.held[cell].append(micro)
-        return self.learners[cell].accumulate.remote(micro.tensors, self.version)
+        return self.learners[cell].accumulate_runs.remote(
+            micro.run_ids, micro.advantages, self.version, *payloads)
 
     def replace(self, cell: int, learner: Any) -> list[MicroBatch]:
         """``cell``'s learner died and ``learner`` (built, asleep or not, any version) took its
         place. Returns the micro-batches the dead one trained this step (train them again, with
-        ``new_chunk=False``: their normalizers are counted); the cell leaves the step (``join``
+        ``counted=True``: their weights are in the total); the cell leaves the step (``join``
         it again to keep it training) and loads the latest state when it next joins."""
         self.learners[cell] = learner
         self.learner_version[cell] = -1
@@ -195,6 +189,11 @@ class ElasticLearnerGroup:
         if cell in self.members:
             self.members.remove(cell)
         return redo
+
+    def take_back(self, cell: int) -> MicroBatch:
+        """The last micro-batch submitted to ``cell`` failed before training (its runs'
+        payload was lost with a node): take it back (train it again with ``counted=True``)."""
+        return self.held[cell].pop()
 
     def finish(self) -> list[int]:
         """Reduce over the members, apply one step on each; blocks until applied. Returns the

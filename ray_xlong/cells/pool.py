@@ -31,6 +31,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_xlong.cells.sharded import kill, start_sharded_cell
+from ray_xlong.trajectory.processor import ProcessorConfig
 
 
 STRATEGIES = ("STRICT_SPREAD", "PACK", "SPREAD", "STRICT_PACK")
@@ -134,6 +135,10 @@ class CellActors:
     sharding: Any = None
     """``ShardingSettings``: with ``ranks_per_cell`` > 1 a cell's learner is a
     ``sharded.ShardedCell`` of ranks over its bundles instead of ``learner_class``."""
+    processor: ProcessorConfig = ProcessorConfig()
+    """The processor configuration a sharded learner packs its micro-batches with."""
+    runs_of: Any = None
+    """A sharded learner's payload reader (``sharded.start_sharded_cell``)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -254,7 +259,8 @@ def _start_actor(index: int, pg: Any, which: str, layout: CellLayout,
     if actors.sharding is not None and actors.sharding.ranks_per_cell > 1:
         return start_sharded_cell(pg=pg, settings=actors.learner_settings,
                                   sharding=actors.sharding, nodes_per_cell=layout.nodes_per_cell,
-                                  gpus_per_node=layout.gpus_per_node)
+                                  gpus_per_node=layout.gpus_per_node,
+                                  processor=actors.processor, runs_of=actors.runs_of)
     extra = {} if layout.learner_resource == "CPU" else {layout.learner_resource: 1.0}
     return ray.remote(actors.learner_class).options(
         num_cpus=half if not extra else 0, num_gpus=0, resources=extra,

@@ -5,6 +5,8 @@ ShardedCell (driver-side handle; answers the learner calls ElasticLearnerGroup m
   rank 0 … R-1 = LearnerRank actors, one per bundle (per GPU on CUDA), in the cell's PG
   setup:       rank 0's address ─► init_process_group(gloo | nccl) on every rank (Ray Train's
                torch backend helpers) ─► load model ─► fully_shard(each decoder layer, root)
+  accumulate_runs: every rank reads the micro-batch's processed runs from the payloads (the
+               ``runs_of`` reader handed in) and packs them (``per_run.pack_runs``), then
   accumulate:  every rank takes rows r ≡ rank (mod R) of the micro-batch (a rank without rows
                runs row 0 with zero loss scale: FSDP needs every rank in every collective);
                reduce-scatter SUMS (divide factor 1) into each rank's gradient shard
@@ -21,7 +23,7 @@ ref, or a ref that fails when any rank failed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import ray
 import torch
@@ -30,6 +32,8 @@ from ray_xlong.cells.sharding import ShardingSettings, ranks_per_bundle
 from ray_xlong.trajectory.loss import policy_loss
 from ray_xlong.trajectory.model import token_logprobs
 from ray_xlong.trajectory.packing import PackedBatch, _take_rows
+from ray_xlong.trajectory.per_run import pack_runs
+from ray_xlong.trajectory.processor import ProcessorConfig
 
 if TYPE_CHECKING:  # config.py imports pool.py, which imports this module
     from ray_xlong.cells.config import LearnerSettings
@@ -39,8 +43,11 @@ class LearnerRank:
     """One rank of a sharded cell Learner (a Ray actor; see the module docstring)."""
 
     def __init__(self, *, settings: LearnerSettings, sharding: ShardingSettings, rank: int,
-                 world_size: int) -> None:
+                 world_size: int, processor: ProcessorConfig = ProcessorConfig(),
+                 runs_of: Callable[..., Mapping[str, Any]] | None = None) -> None:
+        """Args: see :func:`start_sharded_cell` (``rank`` of ``world_size``)."""
         self.settings, self.sharding = settings, sharding
+        self.processor, self.runs_of = processor, runs_of
         self.rank, self.world_size = rank, world_size
         self.version, self.asleep, self.micro_batches, self.tokens = 0, False, 0, 0
         self.device = torch.device("cuda", 0) if sharding.device == "cuda" else torch.device("cpu")
@@ -71,6 +78,25 @@ class LearnerRank:
         if not hasattr(self, "lm"):
             raise RuntimeError(f"LearnerRank.build: rank {self.rank} is not set up")
         return self.rank
+
+    def accumulate_runs(self, run_ids: Sequence[str], advantages: Sequence[float],
+                        version: int | None, *payloads: Sequence[Any]) -> int:
+        """``XLongLearner.accumulate_runs`` on this rank: pack the runs ``run_ids`` (their
+        ``ProcessedRun`` read from ``payloads`` by ``runs_of``) with their group-wide
+        ``advantages``, un-normalised, then :meth:`accumulate` this rank's rows. Returns
+        their targets."""
+        if self.runs_of is None:
+            raise RuntimeError("LearnerRank.accumulate_runs: no runs_of reader was handed in "
+                               "(start_sharded_cell(runs_of=...))")
+        wanted = dict(zip(run_ids, advantages))
+        found: dict[str, Any] = {}
+        for payload in payloads:
+            found.update(self.runs_of(payload, wanted=wanted, config=self.processor))
+        missing = sorted(set(wanted) - set(found))
+        if missing:
+            raise ValueError(f"LearnerRank.accumulate_runs: payloads lack runs {missing}")
+        batch = pack_runs([found[r] for r in run_ids], wanted, config=self.processor)
+        return self.accumulate(batch.to_tensors(), version)
 
     def accumulate(self, micro_batch: Mapping[str, torch.Tensor],
                    version: int | None = None) -> int:
@@ -266,13 +292,13 @@ class _Method:
 
 class ShardedCell:
     """A cell's Learner ranks behind the one-learner interface (``CellActors`` contract):
-    ``accumulate`` / ``take_gradients`` / ``apply_step`` / ``get_weights`` /
+    ``accumulate_runs`` / ``accumulate`` / ``take_gradients`` / ``apply_step`` / ``get_weights`` /
     ``get_xlong_state`` / ``set_xlong_state`` / ``wake_up`` / ``sleep`` / ``build`` go to every
     rank; the ref returned is rank 0's (for state and gradients, which rank 0 alone holds
     whole) or one that fails when any rank failed (steps, loads)."""
 
     _RANK0 = ("take_gradients", "get_weights", "get_xlong_state")
-    _ALL = ("accumulate", "apply_step", "set_xlong_state", "wake_up", "sleep", "build",
+    _ALL = ("accumulate", "accumulate_runs", "apply_step", "set_xlong_state", "wake_up", "sleep", "build",
             "xlong_metrics", "__ray_ready__")
 
     def __init__(self, ranks: Sequence[Any]) -> None:
@@ -302,11 +328,16 @@ def kill(actor: Any) -> None:
 def start_sharded_cell(*, pg: Any, settings: LearnerSettings, sharding: ShardingSettings,
                        nodes_per_cell: int, gpus_per_node: int,
                        cpus_per_rank: float = 0.0,
-                       gpus_per_rank: float | None = None) -> ShardedCell:
+                       gpus_per_rank: float | None = None,
+                       processor: ProcessorConfig = ProcessorConfig(),
+                       runs_of: Callable[..., Mapping[str, Any]] | None = None) -> ShardedCell:
     """Start ``sharding.ranks_per_cell`` ranks on the bundles of ``pg`` (the same number on
     each; whole GPUs each on CUDA unless ``gpus_per_rank`` sets a share: cells of one rank
     may share a GPU, ranks of one NCCL group may not), form their process group and shard the
     model. Returns at once: ``handle.build.remote()`` resolves when every rank is set up.
+    ``runs_of(payload, wanted=run ids, config=processor)`` → ``{run id: ProcessedRun}`` reads
+    a payload for ``accumulate_runs`` (the RLlib adapter hands in
+    ``rllib.episodes.processed_runs``: this package imports no RLlib); ``processor`` packs.
 
     Raises:
         ShardingError: the layout cannot host the ranks (``sharding.ranks_per_bundle``).
@@ -322,7 +353,8 @@ def start_sharded_cell(*, pg: Any, settings: LearnerSettings, sharding: Sharding
         num_cpus=cpus_per_rank, num_gpus=gpus,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=rank // per) if pg is not None else "DEFAULT",
-    ).remote(settings=settings, sharding=sharding, rank=rank, world_size=world)
+    ).remote(settings=settings, sharding=sharding, rank=rank, world_size=world,
+             processor=processor, runs_of=runs_of)
         for rank in range(world)]
     addr, port = ray.get(ranks[0].address.remote())
     setups = [r.setup.remote(addr, port) for r in ranks]

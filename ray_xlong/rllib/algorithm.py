@@ -27,8 +27,9 @@ groups the algorithm creates itself.
 
 Limits (said, not hidden): a checkpoint holds the trained state, not runs in flight or ended
 runs not trained yet (they are re-sampled after a restore, on fresh task instances); RLlib's
-evaluation and learner-connector pipeline are not run (the trajectory processor is the
-connector; see ``enable.py``).
+evaluation is not run. The Learner connector pipeline is: each training cell's XLongLearner
+runs the user's learner connector pieces, then ``PrefixTreeConnector`` (RLlib's order), on the
+episodes of the runs it trains (``XLongLearner.accumulate_runs``).
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ class XLongAlgorithm(Algorithm):
                                 harness=opt.harness, max_batch_size=opt.slots_per_cell,
                                 seed=int(self.config.seed or 0))
         actors = cell_actors(rollout=rollout, learner=self.job.learner,
-                             seed=int(self.config.seed or 0), spool_dir=self.job.spool_dir)
+                             processor=self.job.processor, seed=int(self.config.seed or 0),
+                             spool_dir=self.job.spool_dir,
+                             learner_connector=self.config._learner_connector)
         self.pool = create_cells(self.job.layout, actors=actors)
         self.actuator: SteppingActuator | None = None
         self.policy_version = 0
@@ -162,7 +165,7 @@ class XLongAlgorithm(Algorithm):
     def get_state(self, components=None, *, not_components=None, **kwargs) -> dict[str, Any]:
         """Learner state of the current version + ``training_iteration``."""
         if self.actuator is not None:
-            learner = ray.get(self.actuator.group.state_ref)
+            learner = ray.get(self.actuator.learners.state_ref)
         elif self._start_state is not None:
             learner = self._start_state
         else:

@@ -28,11 +28,11 @@ from typing import Any
 
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
 
+from ray_xlong.checks import is_int as _is_int
 from ray_xlong.rollout import HarnessConfig
+from ray_xlong.scheduling.modes import CELL_MODES as MODES  # the one mode registry
 from ray_xlong.trajectory import LossConfig
 
-MODES = ("colocated", "async", "elastic", "colocated+streaming", "async+streaming")
-"""Valid ``XLongOptions.mode`` values (the cell layer's modes)."""
 ENGINES = ("hf", "vllm")
 """Valid ``XLongOptions.engine`` values."""
 RECIPE_HARNESS = HarnessConfig(max_new_tokens=8, max_calls=4, max_retries=1)
@@ -121,10 +121,6 @@ class XLongOptions:
         from ray_xlong.rollout.tasks import TASKS
 
         _check(self.task in TASKS, "task", f"one of {sorted(TASKS)}", self.task)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, field: str, want: str, got: Any) -> None:

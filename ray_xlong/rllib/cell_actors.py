@@ -1,6 +1,11 @@
 """What an RLlib cell hosts: ``CellRunner`` (the :class:`AgentEnvRunner` plus the role calls a
-switch makes and the run spool) and the ``XLongLearner``, handed to the cell runtime as one
-:class:`~ray_xlong.cells.pool.CellActors`::
+switch makes, the run spool, and each run processed where it ended) and the ``XLongLearner``,
+handed to the cell runtime as one :class:`~ray_xlong.cells.pool.CellActors`::
+
+    run ends ─► spool ─► process_run (assemble → cap K → tree → count-once) ─► wait_ended:
+                 (digests ─► driver, a few numbers per run;  episodes ─► object store ─► the
+                  Learner connector pipeline of the cell that trains them)
+
 
     actors = cell_actors(rollout=RolloutConfig(...), learner=LearnerSettings(...), seed=0)
     pool = create_cells(layout, actors=actors)       # ray_xlong.cells: no RLlib import there
@@ -9,7 +14,7 @@ switch makes and the run spool) and the ``XLongLearner``, handed to the cell run
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import ray
 
@@ -17,8 +22,11 @@ from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.cells.pool import CellActors
 from ray_xlong.cells.spool import RunSpool
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
+from ray_xlong.rllib.episodes import processed_runs, run_to_episode
 from ray_xlong.rllib.learner import XLongLearner, learner_config
 from ray_xlong.rollout.tasks import TASKS, TaskFactory, register_task
+from ray_xlong.trajectory import ProcessorConfig
+from ray_xlong.trajectory.per_run import RunDigest, process_run
 
 
 class CellRunner(AgentEnvRunner):
@@ -30,11 +38,13 @@ class CellRunner(AgentEnvRunner):
 
     def __init__(self, *, config: Any, rollout_config: RolloutConfig,
                  tasks: Mapping[str, TaskFactory], cell: int = -1,
-                 spool_dir: str | None = None) -> None:
+                 spool_dir: str | None = None,
+                 processor: ProcessorConfig = ProcessorConfig()) -> None:
         for name, factory in tasks.items():
             if name not in TASKS:
                 register_task(name, factory)
         self.cell = cell
+        self.processor = processor
         self.spool = RunSpool(spool_dir) if spool_dir else None
         super().__init__(config=config, rollout_config=rollout_config)
 
@@ -50,17 +60,36 @@ class CellRunner(AgentEnvRunner):
         finally:
             super()._on_end(run_id, env, task)
 
-    @ray.method(concurrency_group="poll")
-    def wait_ended(self, timeout_s: float) -> list:
-        """The :class:`RunResult` of runs ended since the last call; waits up to
-        ``timeout_s`` for at least one."""
+    @ray.method(concurrency_group="poll", num_returns=2)
+    def wait_ended(self, timeout_s: float) -> tuple[list[RunDigest], list]:
+        """Runs ended since the last call (waits up to ``timeout_s`` for at least one),
+        processed here, where they ended. Two returns: their :class:`RunDigest` (what the
+        driver reads) and their episodes with the ``ProcessedRun`` (what a Learner reads; the
+        driver passes the ref on without fetching it)."""
         deadline = time.monotonic() + timeout_s
         while not self._ended and time.monotonic() < deadline:
             time.sleep(0.002)
         error = getattr(self, "_spool_error", None)
         if error is not None:
             raise RuntimeError(f"cell {self.cell}: spooling an ended run failed: {error!r}")
-        return self.sample_results()
+        return self._processed(self.sample_results())
+
+    @ray.method(num_returns=2)
+    def process_spooled(self, run_ids: list[str]) -> tuple[list[RunDigest], list]:
+        """Like :meth:`wait_ended` for runs read from the spool (recovery: runs whose runner or
+        payload was lost). Raises when there is no spool or a run is not in it."""
+        if self.spool is None:
+            raise RuntimeError(f"cell {self.cell}: no spool to read runs {run_ids} from")
+        got = self.spool.get(run_ids)
+        missing = sorted(set(run_ids) - set(got))
+        if missing:
+            raise KeyError(f"cell {self.cell}: runs {missing} are not in the spool")
+        return self._processed([res for _, res in got.values()])
+
+    def _processed(self, results: list) -> tuple[list[RunDigest], list]:
+        done = [process_run(res.run, self.processor) for res in results]
+        episodes = [run_to_episode(res.run, processed=p) for res, p in zip(results, done)]
+        return [p.digest for p in done], episodes
 
     # Role calls take trailing ``after`` refs (ignored): the driver chains each call on the
     # previous one, since Ray does not order the calls of an actor with concurrency groups.
@@ -95,18 +124,26 @@ class CellRunner(AgentEnvRunner):
 
 
 def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
+                processor: ProcessorConfig = ProcessorConfig(),
                 tasks: Mapping[str, TaskFactory] | None = None, seed: int = 0,
-                spool_dir: str | None = None, sharding: Any = None) -> CellActors:
-    """The runner (:class:`CellRunner` on ``rollout``; ``tasks`` registered in it; ended runs
-    spooled to ``spool_dir`` when given) and the learner (:class:`XLongLearner` on
-    ``learner``, seeded) every cell hosts."""
+                spool_dir: str | None = None,
+                learner_connector: Callable[..., Any] | None = None,
+                sharding: Any = None) -> CellActors:
+    """The runner (:class:`CellRunner` on ``rollout``: processes each run where it ended with
+    ``processor``; ``tasks`` registered in it; ended runs spooled to ``spool_dir`` when given)
+    and the learner (:class:`XLongLearner` on ``learner``, seeded; its Learner connector
+    pipeline runs the user's ``learner_connector`` pieces, then ``PrefixTreeConnector``). With
+    ``sharding`` of more than one rank a cell's learner is a set of ranks instead."""
     from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 
-    config, spec = learner_config(learner, seed=seed)
+    config, spec = learner_config(learner, seed=seed, processor=processor,
+                                  learner_connector=learner_connector)
     return CellActors(
         runner_class=CellRunner,
         runner_kwargs={"config": AlgorithmConfig(), "rollout_config": rollout,
-                       "tasks": dict(tasks or {}), "spool_dir": spool_dir},
+                       "tasks": dict(tasks or {}), "spool_dir": spool_dir,
+                       "processor": processor},
         learner_class=XLongLearner,
         learner_kwargs={"config": config, "module_spec": spec},
-        learner_settings=learner, sharding=sharding)
+        learner_settings=learner, sharding=sharding, processor=processor,
+        runs_of=processed_runs)

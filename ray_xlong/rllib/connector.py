@@ -56,9 +56,10 @@ import torch
 from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
 
-from ray_xlong.rllib.episodes import runs_by_module
+from ray_xlong.rllib.episodes import processed_by_run, runs_by_module
 from ray_xlong.trajectory import BatchStats, PackedBatch, ProcessorConfig, TrajectoryProcessor
 from ray_xlong.trajectory.packing import LAYOUT_CODES, TENSOR_KEYS  # noqa: F401 (re-exported)
+from ray_xlong.trajectory.per_run import merge_stats, pack_runs, process_run
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,12 @@ METRIC_KEYS: dict[str, str] = {
 }
 """``BatchStats`` field (plus ``num_targets`` / ``num_positions`` of the packed batch) → metric
 key under the module id; logged with ``reduce="sum"``."""
+
+ADVANTAGES_KEY = "xlong_advantages"
+"""``shared_data[ADVANTAGES_KEY]``: run id → advantage, set by the elastic step on a training
+cell (advantages are per group, a micro-batch may hold part of one). With it the piece packs the
+runs with those advantages and *un-normalised* ``loss_scale`` (the step divides by its total),
+reusing each run's ``ProcessedRun`` when the episode carries one (``episodes.PROCESSED_KEY``)."""
 
 DEDUP_RATIO_KEY = "xlong/dedup_ratio"
 """``total_tokens / unique_tokens`` of the update (the tree-training speedup bound), mean."""
@@ -117,24 +124,36 @@ class PrefixTreeConnector(ConnectorV2):
             rl_module: the Learner's (Multi)RLModule (unused).
             batch: the pipeline's batch so far; ``batch[module_id]`` is added per module.
             episodes: episodes carrying ended runs (see ``episodes.run_to_episode``).
-            explore, shared_data: RLlib's pipeline arguments (unused).
+            explore: RLlib's pipeline argument (unused).
+            shared_data: RLlib's per-call dict; :data:`ADVANTAGES_KEY` switches to the
+                training-cell mode (see there).
             metrics: the Learner's MetricsLogger (None: nothing logged).
             **kwargs: RLlib's pipeline arguments (``data``, ``metrics_prefix_key``; unused).
 
         Returns:
             ``batch`` with ``batch[module_id]`` set (format: module docstring).
         """
+        advantages = (shared_data or {}).get(ADVANTAGES_KEY)
+        processed = processed_by_run(episodes) if advantages is not None else {}
         for module_id, runs in runs_by_module(episodes).items():
             if module_id in batch:
                 raise ValueError(f"PrefixTreeConnector: batch already has an entry for module "
                                  f"{module_id!r}; this piece must be the one that builds it")
-            result = self._processor.process(runs)
-            for run_id, error in result.malformed.items():
+            if advantages is None:
+                result = self._processor.process(runs)
+                packed, stats, malformed = result.packed, result.stats, result.malformed
+            else:
+                done = [processed.get(r.run_id) or process_run(r, self.config) for r in runs]
+                packed = pack_runs(done, advantages, config=self.config)
+                stats = merge_stats([p.digest.stats for p in done])
+                malformed = {p.digest.run_id: p.digest.malformed for p in done
+                             if p.digest.malformed}
+            for run_id, error in malformed.items():
                 logger.warning("PrefixTreeConnector: module %r: malformed run %r left out: %s",
                                module_id, run_id, error)
-            batch[module_id] = batch_from_packed(result.packed)
+            batch[module_id] = packed.to_tensors()
             if metrics is not None:
-                log_stats(metrics, module_id=module_id, stats=result.stats, packed=result.packed)
+                log_stats(metrics, module_id=module_id, stats=stats, packed=packed)
         return batch
 
     def __str__(self, indentation: int = 0) -> str:

@@ -11,7 +11,10 @@ the xlong token loss (PPO clip on model tokens, GRPO group baselines, no critic)
     lr, grad_clip, grad_clip_by               the cells' Learner optimizer (global-norm clip)
     train_batch_size(_per_learner)            runs per step (groups × runs_per_group)
     callbacks (class and on_* callables)      the same RLlib callbacks on XLongAlgorithm
-    learner_connector, add_default_…          kept on the config (see XLongAlgorithm's limits)
+    learner_connector                         run in every cell Learner's connector pipeline,
+                                              before PrefixTreeConnector (RLlib's order)
+    add_default_…                             kept (RLlib's default pieces are not added: the
+                                              module batch is PrefixTreeConnector's)
     num_env_runners / num_learners            cells (a cell hosts one runner and one Learner)
     num_cpus_per_env_runner                   CPUs of a cell's bundle
     num_gpus_per_env_runner                   GPUs of a cell's bundle

@@ -36,9 +36,15 @@ from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
 from ray_xlong.trajectory import AgentRun
+from ray_xlong.trajectory.per_run import ProcessedRun, process_run
+from ray_xlong.trajectory.processor import ProcessorConfig
 
 RUN_KEY = "xlong_run"
 """``episode.custom_data[RUN_KEY]`` holds the episode's :class:`AgentRun`."""
+
+PROCESSED_KEY = "xlong_processed"
+"""``episode.custom_data[PROCESSED_KEY]``: the run's ``ProcessedRun`` when the rollout cell
+already processed it where it ended (``trajectory.per_run.process_run``); absent otherwise."""
 
 RUN_OBSERVATION_SPACE = gym.spaces.Box(0.0, 0.0, (1,), np.float32)
 """The placeholder observation space of a run episode (every observation is ``[0.0]``; a Box so
@@ -55,12 +61,15 @@ class EpisodeError(ValueError):
     """An episode does not carry a usable agent run. The message names the episode id."""
 
 
-def run_to_episode(run: AgentRun, *, module_id: str | None = None) -> SingleAgentEpisode:
+def run_to_episode(run: AgentRun, *, module_id: str | None = None,
+                   processed: ProcessedRun | None = None) -> SingleAgentEpisode:
     """Wrap an ended run into a done, one-step ``SingleAgentEpisode`` (see module docstring).
 
     Args:
         run: the ended, scored run.
         module_id: the RLModule that trains the run (None: the default module).
+        processed: the run already processed where it ended (stored under
+            :data:`PROCESSED_KEY`; the connector then packs it without processing it again).
 
     Returns:
         The episode, id ``run.run_id``, with the run under ``custom_data[RUN_KEY]``.
@@ -74,6 +83,11 @@ def run_to_episode(run: AgentRun, *, module_id: str | None = None) -> SingleAgen
                          terminated=run.status == "finished",
                          truncated=run.status != "finished")
     episode.custom_data[RUN_KEY] = run
+    if processed is not None:
+        if processed.digest.run_id != run.run_id:
+            raise ValueError(f"run_to_episode.processed: holds run {processed.digest.run_id!r}"
+                             f", not {run.run_id!r}")
+        episode.custom_data[PROCESSED_KEY] = processed
     episode.validate()
     return episode
 
@@ -144,3 +158,27 @@ def runs_by_module(episodes: Sequence[object]) -> dict[str, list[AgentRun]]:
                                f"{module_id!r}; a group's runs must share one module")
         by_module.setdefault(module_id, []).append(run)
     return by_module
+
+
+def processed_by_run(episodes: Sequence[object]) -> dict[str, ProcessedRun]:
+    """Run id → the ``ProcessedRun`` the episodes carry (those processed where they ended)."""
+    out = {}
+    for episode in single_agent_episodes(episodes):
+        processed = episode.custom_data.get(PROCESSED_KEY)
+        if processed is not None:
+            out[run_of(episode).run_id] = processed
+    return out
+
+
+def processed_runs(episodes: Sequence[object], *, wanted: Iterable[str],
+                   config: ProcessorConfig) -> dict[str, ProcessedRun]:
+    """Run id → ``ProcessedRun`` of the episodes' runs in ``wanted``: the one processed where
+    the run ended, else processed here with ``config`` (what ``PrefixTreeConnector`` packs;
+    a sharded cell's ranks read their micro-batches with it)."""
+    wanted, out = set(wanted), {}
+    for episode in single_agent_episodes(episodes):
+        run = run_of(episode)
+        if run.run_id in wanted:
+            out[run.run_id] = (episode.custom_data.get(PROCESSED_KEY)
+                               or process_run(run, config))
+    return out

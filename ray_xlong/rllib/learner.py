@@ -30,19 +30,24 @@ the cell gives them CPU from its bundle (``cells.py``).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import functools
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 import torch
+from ray.rllib.connectors.connector_v2 import ConnectorV2
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 
 from ray_xlong.cells.config import DTYPES, LearnerSettings  # noqa: F401 (re-exported)
+from ray_xlong.rllib.connector import ADVANTAGES_KEY, PrefixTreeConnector
+from ray_xlong.trajectory import ProcessorConfig
 from ray_xlong.trajectory.accumulate import accumulate_loss
 from ray_xlong.trajectory.loss import policy_loss
 from ray_xlong.trajectory.model import token_logprobs
 from ray_xlong.trajectory.packing import PackedBatch
+
 
 class XLongModule(TorchRLModule):
     """An RLModule holding a HF causal LM (``model_config``: ``model_dir``, ``dtype``,
@@ -97,16 +102,48 @@ class XLongLearner(TorchLearner):
                    version: int | None = None) -> int:
         """Add ``∇ loss(micro_batch)`` to the local gradient; returns its targets. ``version``:
         the weights the step trains (raises if this learner holds others)."""
-        if self.asleep:
-            raise RuntimeError("XLongLearner.accumulate: the learner is asleep (wake_up first)")
-        if version is not None and version != self.version:
-            raise RuntimeError(f"XLongLearner.accumulate: learner at version {self.version}, "
-                               f"the step trains version {version} (reload its state first)")
+        self._check_version("accumulate", version)
         part = accumulate_loss(self.lm, PackedBatch.from_tensors(micro_batch),
                                config=self.settings.loss)
         self.micro_batches += 1
         self.tokens += part.targets
         return part.targets
+
+    def accumulate_runs(self, run_ids: Sequence[str], advantages: Sequence[float],
+                        version: int | None, *payloads: Sequence[Any]) -> int:
+        """Train the runs ``run_ids`` (with their group-wide ``advantages``) as one
+        micro-batch: their episodes go through this Learner's connector pipeline — the user's
+        learner connector pieces, then ``PrefixTreeConnector`` packing them (RLlib's order) —
+        and the packed batch's loss gradient is added locally. Returns its targets.
+
+        Args:
+            run_ids: the runs of the micro-batch.
+            advantages: their advantages, in the same order.
+            version: the weights the step trains (raises if this learner holds others).
+            *payloads: lists of episodes from the rollout cells where the runs ended (Ray
+                resolves the refs; episodes of other runs are ignored).
+        """
+        self._check_version("accumulate_runs", version)
+        wanted = dict(zip(run_ids, advantages))
+        episodes = {e.id_: e for p in payloads for e in p if e.id_ in wanted}
+        missing = sorted(set(wanted) - set(episodes))
+        if missing:
+            raise ValueError(f"XLongLearner.accumulate_runs: payloads lack runs {missing}")
+        batch = self._learner_connector(
+            rl_module=self.module, batch={}, episodes=[episodes[r] for r in run_ids],
+            shared_data={ADVANTAGES_KEY: wanted}, metrics=self.metrics)
+        part = accumulate_loss(self.lm, PackedBatch.from_tensors(batch[DEFAULT_MODULE_ID]),
+                               config=self.settings.loss)
+        self.micro_batches += 1
+        self.tokens += part.targets
+        return part.targets
+
+    def _check_version(self, call: str, version: int | None) -> None:
+        if self.asleep:
+            raise RuntimeError(f"XLongLearner.{call}: the learner is asleep (wake_up first)")
+        if version is not None and version != self.version:
+            raise RuntimeError(f"XLongLearner.{call}: learner at version {self.version}, "
+                               f"the step trains version {version} (reload its state first)")
 
     def take_gradients(self) -> dict[str, torch.Tensor]:
         """The summed local gradient by parameter name (zeros where none), then cleared."""
@@ -180,14 +217,19 @@ class XLongLearner(TorchLearner):
             p.grad = None
         self.asleep = True
 
-    def xlong_metrics(self) -> dict[str, int]:
-        """Micro-batches and target tokens trained so far, and the version."""
-        return {"micro_batches": self.micro_batches, "tokens": self.tokens,
-                "version": self.version}
 
-
-def learner_config(settings: LearnerSettings, *, seed: int = 0):
+def learner_config(settings: LearnerSettings, *, seed: int = 0,
+                   processor: ProcessorConfig = ProcessorConfig(),
+                   learner_connector: Callable[..., Any] | None = None):
     """The ``AlgorithmConfig`` and ``RLModuleSpec`` an :class:`XLongLearner` is built from.
+
+    Args:
+        settings: model, optimizer, loss, attention.
+        seed: RLlib's seed.
+        processor: the ``PrefixTreeConnector``'s configuration (layout, K, normalisation).
+        learner_connector: the user's ``AlgorithmConfig.learners(learner_connector=...)``
+            builder (``(obs_space, act_space) -> piece | [pieces]``); its pieces run first,
+            then ``PrefixTreeConnector`` (RLlib's order: custom pieces, then the batch builder).
 
     Returns:
         ``(config, module_spec)``: ``XLongLearner(config=config, module_spec=spec).build()``.
@@ -202,7 +244,10 @@ def learner_config(settings: LearnerSettings, *, seed: int = 0):
               .framework("torch")
               .training(lr=settings.lr)
               .learners(num_learners=0, num_gpus_per_learner=0,
-                        learner_config_dict={"xlong": settings})
+                        learner_config_dict={"xlong": settings},
+                        learner_connector=functools.partial(
+                            learner_pipeline, user=learner_connector, processor=processor),
+                        add_default_connectors_to_learner_pipeline=False)
               .debugging(seed=seed))
     spec = MultiRLModuleSpec(rl_module_specs={DEFAULT_MODULE_ID: RLModuleSpec(
         module_class=XLongModule, observation_space=RUN_OBSERVATION_SPACE,
@@ -212,9 +257,12 @@ def learner_config(settings: LearnerSettings, *, seed: int = 0):
     return config, spec
 
 
-def build_learner(settings: LearnerSettings, *, seed: int = 0) -> XLongLearner:
-    """An in-process, built :class:`XLongLearner` (tests, single-cell use)."""
-    config, spec = learner_config(settings, seed=seed)
-    learner = XLongLearner(config=config, module_spec=spec)
-    learner.build()
-    return learner
+def learner_pipeline(input_observation_space: Any, input_action_space: Any, *,
+                     user: Callable[..., Any] | None,
+                     processor: ProcessorConfig) -> list[ConnectorV2]:
+    """The Learner connector pieces of a cell's Learner: ``user(obs, act)``'s pieces (a piece or
+    a list), then :class:`PrefixTreeConnector` (which builds the module batch)."""
+    pieces = [] if user is None else user(input_observation_space, input_action_space)
+    pieces = [pieces] if isinstance(pieces, ConnectorV2) else list(pieces)
+    return [*pieces, PrefixTreeConnector(input_observation_space, input_action_space,
+                                         config=processor)]

@@ -1,4 +1,8 @@
-"""A single-process RL loop with real parts: the core the Ray/RLlib loop calls per step.
+"""A single-process RL loop with real parts, for tests and quick experiments (no Ray).
+
+The product (``XLongAlgorithm``) does not call this loop; it shares its parts: the trajectory
+processor, and the one training step ``trajectory.accumulate.accumulate_loss`` that the cells'
+Learner runs too.
 
 One process, no Ray: a tiny transformer (learner, tree attention), an HF engine sampling at
 temperature 1 (its own copy of the weights), the agent harness and a task's verifiable reward,
@@ -11,8 +15,8 @@ the trajectory processor, the PPO / TIS loss and AdamW::
         micro-batches ──► train_step: Σ policy_loss ∇ ─► clip ─► AdamW step
         engine.update_weights(learner.state_dict(), version = step)    (between batches)
 
-Pieces are small and reusable: :func:`rollout` (runs of one step), :func:`train_step` (one
-optimizer step on packed micro-batches), :func:`push_weights`, and the checked warm start of
+Pieces are small: :func:`rollout` (runs of one step), :func:`train_step` (one optimizer step on
+packed micro-batches, each through ``accumulate_loss``), :func:`push_weights`, and the checked warm start of
 ``warm_start.py``; :func:`run_local_rl` strings them together and returns the per-step reward curve.
 
 Measured (16 groups × 8 runs, lr 5e-4; 2 shared CPU cores) with the earlier unchecked warm
@@ -37,6 +41,7 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 import torch
 
+from ray_xlong.checks import check_int
 from ray_xlong.models import build_tiny_model_dir, load_model, load_tokenizer
 from ray_xlong.rollout.chat import ChatFormat
 from ray_xlong.rollout.engine import Engine
@@ -81,9 +86,7 @@ class LocalRLConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "groups", "runs_per_group", "micro_batch_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LocalRLConfig.{name} must be an int >= 1, got {value!r}")
+            check_int("LocalRLConfig", name, getattr(self, name), minimum=1)
         if not self.lr > 0:
             raise ValueError(f"LocalRLConfig.lr must be > 0, got {self.lr!r}")
         if not self.grad_clip >= 0:

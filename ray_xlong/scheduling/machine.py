@@ -25,7 +25,7 @@ starts from (every cell back in rollout, live runs still owed).
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ray_xlong.scheduling.events import Event
 from ray_xlong.scheduling.ledger import GroupLedger
@@ -251,6 +251,60 @@ class CellMachine:
         self.version, self.step, self.step_groups, self.step_starved = self.version + 1, -1, 0, False
         if self.done:
             self.log.append(Event(now, "finish"))
+
+    def micro_batch_done(self, cell: int, now: float) -> None:
+        """A training cell finished a micro-batch of the step in progress (logged)."""
+        self.log.append(Event(now, "micro_batch", cell=cell, step=self.step))
+
+    # -- the settle loop (the simulator and the Ray actuator both run this) --------------------
+    def settle(self, policy: Any, clock: Callable[[], float], *,
+               apply: Callable[[Move, list[int], bool], None], after_round: Callable[[], None],
+               max_rounds: int) -> None:
+        """Decide → apply → act until ``policy`` has no more moves at this instant.
+
+        Each round: ``policy.decide(snapshot, last event)``; every move is validated and
+        applied here, then ``apply(move, runs started, the cell was training)`` acts on it
+        (a clock's delays, or Ray actors); ``after_round()`` (the caller's training) runs once
+        per round.
+
+        Raises:
+            RuntimeError: still moving after ``max_rounds`` rounds (a policy that never settles).
+        """
+        for _ in range(max_rounds):
+            now = clock()
+            moves = policy.decide(self.snapshot(now), self.log[-1])
+            if not moves:
+                return
+            for move in moves:
+                was_training = self.role[move.cell] is Role.TRAINING
+                apply(move, self.apply(move, now), was_training)
+            after_round()
+        raise RuntimeError(f"{policy.name}: still moving after {max_rounds} rounds at {clock()}")
+
+    # -- read API --------------------------------------------------------------------------
+    def runs_ended(self) -> int:
+        """Runs that ended so far (a run restarted after a loss counts when it ends)."""
+        return sum(1 for e in self.log if e.kind == "run_ended")
+
+    def live_runs(self, cell: int) -> tuple[int, ...]:
+        """Runs live on ``cell``, oldest first."""
+        return tuple(self.live[cell])
+
+    def pretty_print(self) -> str:
+        """One line per cell (role, step, live runs, ready time) and the step / version line;
+        printed and returned."""
+        lines = [f"version {self.version}  step {self.step} ({self.step_groups}/"
+                 f"{self.config.batch_groups} groups{', starved' if self.step_starved else ''})"
+                 f"  events {len(self.log)}"]
+        for c in range(len(self.slots)):
+            state = "retired" if c in self.retired else self.role[c].value
+            step = f" step {self.step_of[c]}" if self.step_of[c] >= 0 else ""
+            ready = " busy" if self.ready_at[c] == INF else ""
+            lines.append(f"  cell {c}: {state:<9}{step} live {len(self.live[c])}/"
+                         f"{self.slots[c]}{ready}")
+        text = "\n".join(lines)
+        print(text)
+        return text
 
     @property
     def done(self) -> bool:

@@ -17,39 +17,33 @@ from __future__ import annotations
 
 import dataclasses
 
-from ray_xlong.scheduling.asynchronous import AsyncPolicy
-from ray_xlong.scheduling.colocated import ColocatedPolicy
-from ray_xlong.scheduling.elastic import ElasticPolicy
-from ray_xlong.scheduling.forecast import ForecastPolicy
+from ray_xlong.scheduling.modes import ABLATION_MODES, PAPER_MODES, ModeInputs, make_policy
 from ray_xlong.scheduling.policy import Policy
 from ray_xlong.sim.presets import Preset
 from ray_xlong.sim.simulator import SimResult, simulate
 from ray_xlong.sim.workload import Workload, sample_workload
 
-PAPER_MODES = ("colocated", "async", "elastic")
-ABLATION_MODES = ("async+streaming", "colocated+streaming")
-
-
-def forecast_policy(preset: Preset) -> ForecastPolicy:
-    """Our own mode, given only what an operator knows: the run timeout and the expected
-    training throughput (cost model ÷ expected trained tokens of a group). Nothing is fitted."""
+def forecast_inputs(preset: Preset) -> ModeInputs:
+    """What our own mode is given: only what an operator knows, the run timeout and the
+    expected training throughput (cost model ÷ expected trained tokens of a group). Nothing
+    is fitted."""
     w, g = preset.workload, preset.job.runs_per_group
     group_tokens = g * w.tokens_per_run_h * w.mean_duration_h() * w.unique_token_frac
     per_h = preset.costs.train_tokens_per_cell_h / group_tokens
-    return ForecastPolicy(train_groups_per_cell_h=per_h, horizon_h=w.timeout_h)
+    return ModeInputs(async_rollout_cells=preset.async_rollout_cells,
+                      train_groups_per_cell_h=per_h, horizon_h=w.timeout_h)
+
+
+def forecast_policy(preset: Preset) -> Policy:
+    """Our own mode for ``preset`` (the registry's ``forecast``)."""
+    return make_policy("forecast", forecast_inputs(preset))
 
 
 def make_policies(preset: Preset) -> dict[str, Policy]:
-    """Every benchmarked mode for ``preset``, by name."""
-    r = preset.async_rollout_cells
-    return {
-        "colocated": ColocatedPolicy(),
-        "async": AsyncPolicy(rollout_cells=r),
-        "elastic": ElasticPolicy(),
-        "forecast": forecast_policy(preset),
-        "async+streaming": AsyncPolicy(rollout_cells=r, streaming=True, name="async+streaming"),
-        "colocated+streaming": ColocatedPolicy(streaming=True, name="colocated+streaming"),
-    }
+    """Every benchmarked mode for ``preset``, by name (``scheduling.modes``: the registry)."""
+    inputs = forecast_inputs(preset)
+    return {mode: make_policy(mode, inputs) for mode in PAPER_MODES + ("forecast",)
+            + ABLATION_MODES}
 
 
 def with_steps(preset: Preset, steps: int) -> Preset:

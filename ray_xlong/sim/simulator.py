@@ -118,21 +118,16 @@ class _Sim:
             return
 
     def act(self) -> None:
-        rounds = MAX_ROUNDS + 4 * len(self.m.slots)
-        for _ in range(rounds):
-            moves = self.policy.decide(self.m.snapshot(self.now), self.m.log[-1])
-            if not moves:
-                return
-            for move in moves:
-                was_training = self.m.role[move.cell] is Role.TRAINING
-                for run in self.m.apply(move, self.now):
-                    self.push(self.now + self.w.durations_h[run], "run_end", move.cell, run)
-                if isinstance(move, (Reserve, StartTraining, JoinStep)) and not was_training:
-                    self.delay(move.cell, self.costs.to_train_h)
-                elif isinstance(move, Sync):
-                    self.delay(move.cell, self.costs.sync_h)
-            self.train()
-        raise RuntimeError(f"{self.policy.name}: still moving after {rounds} rounds at {self.now}")
+        def apply(move, runs: list[int], was_training: bool) -> None:
+            for run in runs:
+                self.push(self.now + self.w.durations_h[run], "run_end", move.cell, run)
+            if isinstance(move, (Reserve, StartTraining, JoinStep)) and not was_training:
+                self.delay(move.cell, self.costs.to_train_h)
+            elif isinstance(move, Sync):
+                self.delay(move.cell, self.costs.sync_h)
+
+        self.m.settle(self.policy, lambda: self.now, apply=apply, after_round=self.train,
+                      max_rounds=MAX_ROUNDS + 4 * len(self.m.slots))
 
     def delay(self, cell: int, hours: float) -> None:
         self.m.busy_until(cell, self.now + hours)

@@ -33,7 +33,8 @@ def rollout_config(config: CellJobConfig) -> RolloutConfig:
 def start_cells(config: CellJobConfig) -> CellPool:
     """Create the cells of ``config.layout`` on the connected Ray cluster (once per process)."""
     actors = cell_actors(rollout=rollout_config(config), learner=config.learner,
-                         tasks=config.work.tasks(), seed=config.work.seed,
+                         processor=config.processor, tasks=config.work.tasks(),
+                         seed=config.work.seed,
                          spool_dir=config.spool_dir, sharding=config.sharding)
     return create_cells(config.layout, actors=actors)
 

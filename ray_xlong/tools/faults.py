@@ -100,7 +100,7 @@ class FaultInjector:
             if now >= due:
                 self.restore_node(token)
                 self.down.remove((due, token))
-        ended = sum(1 for e in act.m.log if e.kind == "run_ended")
+        ended = act.runs_ended()
         while self.todo and self.todo[0][0] <= ended:
             if not self._fire(self.todo[0][1], act):
                 return  # no victim that would notice yet: try again next tick
@@ -111,14 +111,14 @@ class FaultInjector:
         runs, a learner in the step in progress, a cell that is not the last)."""
         cells = [c for c in range(len(act.cells)) if c not in act.retired]
         if kind == "runner":
-            busy = [c for c in cells if act.m.live[c]]
+            busy = act.cells_with_live_runs()
             if not busy:
                 return False
             cell = self.rng.choice(busy)
             ray.kill(act.cells[cell].runner, no_restart=True)
         elif kind == "learner":
-            busy = [c for c in cells if c in act.in_flight] or \
-                [c for c in cells if c in act.group.members]
+            training = act.training_cells()  # those mid micro-batch first
+            busy = [c for c in training if c in act.in_flight] or training
             if not busy:
                 return False
             cell = self.rng.choice(busy)
@@ -141,7 +141,7 @@ class FaultInjector:
                     self.down.append((time.monotonic() + self.plan.node_down_s, token))
         self.injected[kind] += 1
         self.log.append({"kind": kind, "cell": cell, "t": act.now(),
-                         "runs_ended": sum(1 for e in act.m.log if e.kind == "run_ended")})
+                         "runs_ended": act.runs_ended()})
         return True
 
     def finish(self) -> None:
@@ -197,7 +197,8 @@ def drive(config_path: str, address: str, out: str, *, resume: bool) -> None:
     checkpoint) the job, and pickle ``{"result", "resumed_at"}`` to ``out``."""
     import os
 
-    from ray_xlong.cells.actuator import CHECKPOINT, RayActuator
+    from ray_xlong.cells.actuator import RayActuator
+    from ray_xlong.cells.checkpoint import CHECKPOINT
     from ray_xlong.cells.config import make_policy
     from ray_xlong.tools.driver import start_cells
 

@@ -26,10 +26,8 @@ import tempfile
 import time
 from typing import Callable
 
-MODES = ("colocated", "async", "elastic")
-"""The paper's three modes."""
-ALL_MODES = MODES + ("colocated+streaming", "async+streaming", "forecast")
-"""Every mode :func:`run_modes` can run (the streaming ablations too)."""
+from ray_xlong.scheduling.modes import ALL_MODES, ModeInputs, make_policy  # the one registry
+from ray_xlong.scheduling.modes import PAPER_MODES as MODES
 
 SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, task steps,
     # median tool latency (task seconds; 3600 = one wall second)
@@ -116,11 +114,10 @@ def sim_inputs(config, cal: dict):
 
 def forecast_policy(config, cal: dict):
     """Our ForecastPolicy sized for this job from the calibration (seconds as its hours)."""
-    from ray_xlong.scheduling.forecast import ForecastPolicy
-
     per_s = cal["train_tokens_per_s"] / max(cal["tokens_per_run"], 1e-9) \
         / config.job.runs_per_group
-    return ForecastPolicy(train_groups_per_cell_h=per_s, horizon_h=config.harness.wall_clock_s)
+    return make_policy("forecast", ModeInputs(train_groups_per_cell_h=per_s,
+                                              horizon_h=config.harness.wall_clock_s))
 
 
 def run_modes(config, pool, modes, cal: dict, *,

@@ -175,7 +175,8 @@ def _segments(piece: RunPiece) -> list[_Seg]:
 
 
 def pack(pieces: Sequence[RunPiece], *, layout: Layout, loss_norm: str = "token",
-         row_tokens: int | None = 4096, pad_token_id: int = 0) -> PackedBatch:
+         row_tokens: int | None = 4096, pad_token_id: int = 0,
+         normalize: bool = True) -> PackedBatch:
     """Pack trained runs into one batch.
 
     Args:
@@ -186,12 +187,15 @@ def pack(pieces: Sequence[RunPiece], *, layout: Layout, loss_norm: str = "token"
         row_tokens: tree layout: the token budget of a row (a larger run gets a row of its own;
             None = one run per row). Ignored by ``per_trajectory``.
         pad_token_id: id written into padding.
+        normalize: divide by the batch's normalizer (default). False: ``loss_scale`` is the
+            count-once weight (``token``) or ÷ the run's trainable tokens only (``run``), for
+            batches whose normalizer is summed elsewhere (``per_run.normalizer``).
 
     Returns:
         The packed batch (``T`` = Σ unique trainable tokens; the same targets in both layouts).
     """
     segs = [_segments(p) for p in pieces]
-    meta = _target_meta(pieces, segs, loss_norm)
+    meta = _target_meta(pieces, segs, loss_norm, normalize)
     if layout == "tree":
         grid, where = _tree_grid(pieces, segs, row_tokens, pad_token_id)
     elif layout == "per_trajectory":
@@ -205,10 +209,10 @@ def pack(pieces: Sequence[RunPiece], *, layout: Layout, loss_norm: str = "token"
                        tuple(p.run.run_id for p in pieces), pos >= 0)
 
 
-def _target_meta(pieces, segs, loss_norm):
+def _target_meta(pieces, segs, loss_norm, normalize=True):
     lps, vers, advs, scale, run_idx = [], [], [], [], []
-    total = sum(s.hi - s.lo for run_segs in segs for s in run_segs)
-    n_runs = sum(1 for run_segs in segs if run_segs)
+    total = sum(s.hi - s.lo for run_segs in segs for s in run_segs) if normalize else 1
+    n_runs = sum(1 for run_segs in segs if run_segs) if normalize else 1
     for r, (piece, run_segs) in enumerate(zip(pieces, segs)):
         n_run = sum(s.hi - s.lo for s in run_segs)
         if loss_norm == "token":

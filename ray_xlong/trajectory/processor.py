@@ -3,6 +3,9 @@
     runs ─► validate ─► assemble (per run) ─► select ≤ K ─► prefix tree ─► count-once weights
          ─► group advantages ─► pack (tree | per_trajectory) ─► TrajectoryBatch(stats, ...)
 
+The per-run part is ``per_run.process_run`` (what a rollout cell runs on each run as it ends);
+``process`` strings it together with the group advantages and the packer.
+
 Usable alone (no Ray)::
 
     from ray_xlong.trajectory import ModelCall, AgentRun, TrajectoryProcessor, ProcessorConfig
@@ -25,13 +28,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Sequence
 
-import numpy as np
 
+from ray_xlong.checks import check_int
 from ray_xlong.trajectory.advantages import group_advantages
-from ray_xlong.trajectory.assembly import Trajectory, assemble
+from ray_xlong.trajectory.assembly import Trajectory
 from ray_xlong.trajectory.packing import PackedBatch, RunPiece, pack
-from ray_xlong.trajectory.records import AgentRun, RecordError, check_run
-from ray_xlong.trajectory.selection import select
+from ray_xlong.trajectory.records import AgentRun, RecordError
 from ray_xlong.trajectory.tree import PrefixTree
 
 PackMode = Literal["tree", "per_trajectory", "none"]
@@ -62,10 +64,8 @@ class ProcessorConfig:
     batch (and its group's baseline) and counted in ``stats.runs_malformed``."""
 
     def __post_init__(self) -> None:
-        k = self.max_trajectories_per_run
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"ProcessorConfig.max_trajectories_per_run must be an int >= 1, "
-                             f"got {k!r}")
+        check_int("ProcessorConfig", "max_trajectories_per_run", self.max_trajectories_per_run,
+                  minimum=1)
         if self.pack not in ("tree", "per_trajectory", "none"):
             raise ValueError(f"ProcessorConfig.pack must be 'tree', 'per_trajectory' or 'none', "
                              f"got {self.pack!r}")
@@ -80,8 +80,7 @@ class ProcessorConfig:
             raise ValueError(f"ProcessorConfig.pad_token_id must be an int >= 0, "
                              f"got {self.pad_token_id!r}")
         v = self.vocab_size
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"ProcessorConfig.vocab_size must be None or an int >= 1, got {v!r}")
+        check_int("ProcessorConfig", "vocab_size", v, minimum=1, allow_none=True)
         if v is not None and self.pad_token_id >= v:
             raise ValueError(f"ProcessorConfig.pad_token_id ({self.pad_token_id}) must be < "
                              f"vocab_size ({v})")
@@ -170,19 +169,17 @@ class TrajectoryProcessor:
             The batch: kept trajectories with count-once weights, trees, advantages, packed
             tensors and stats.
         """
+        from ray_xlong.trajectory.per_run import process_run  # per_run builds on this module
+
         _check_runs(runs)
-        assembled, malformed = self._checked(runs)
-        trained = [r for r in runs if r.status != "failed" and r.run_id not in malformed]
-        advantages = group_advantages(trained, normalize_std=self.config.normalize_std)
-        pieces, kept_all, dropped_all = [], [], []
-        for run in trained:
-            kept, dropped = select(assembled[run.run_id], self.config.max_trajectories_per_run)
-            tree = PrefixTree.build(run.run_id, kept, dropped)
-            kept = [dataclasses.replace(t, loss_weights=tree.loss_weights(i, t.num_tokens))
-                    for i, t in enumerate(kept)]
-            pieces.append(RunPiece(run, kept, tree, advantages[run.run_id]))
-            kept_all.extend(kept)
-            dropped_all.extend(dropped)
+        done = [process_run(run, self.config) for run in runs]
+        malformed = {p.digest.run_id: p.digest.malformed for p in done if p.digest.malformed}
+        trained = [p for p in done if p.piece is not None]
+        advantages = group_advantages([p.digest for p in trained],
+                                      normalize_std=self.config.normalize_std)
+        pieces = [dataclasses.replace(p.piece, advantage=advantages[p.digest.run_id])
+                  for p in trained]
+        dropped_all = [t for p in trained for t in p.dropped]
         packed = None
         if self.config.pack != "none":
             packed = pack(pieces, layout=self.config.pack, loss_norm=self.config.loss_norm,
@@ -190,30 +187,11 @@ class TrajectoryProcessor:
                           pad_token_id=self.config.pad_token_id)
         failed = tuple(r.run_id for r in runs if r.status == "failed"
                        and r.run_id not in malformed)
-        stats = dataclasses.replace(_stats(pieces, dropped_all, failed),
+        stats = dataclasses.replace(run_stats(pieces, dropped_all, failed),
                                     runs_malformed=len(malformed))
-        return TrajectoryBatch(tuple(kept_all), tuple(dropped_all),
+        return TrajectoryBatch(tuple(t for p in pieces for t in p.kept), tuple(dropped_all),
                                {p.run.run_id: p.tree for p in pieces}, advantages, failed,
                                packed, stats, malformed)
-
-    def _checked(self, runs: Sequence[AgentRun]) -> tuple[dict[str, list[Trajectory]],
-                                                           dict[str, str]]:
-        """Check every run; assemble the trained ones. Returns (run id → trajectories,
-        run id → error of each skipped malformed run); raises in ``raise`` mode."""
-        assembled: dict[str, list[Trajectory]] = {}
-        malformed: dict[str, str] = {}
-        for run in runs:
-            try:
-                check_run(run, vocab_size=self.config.vocab_size, scan_inputs=False)
-                if run.status != "failed":
-                    assembled[run.run_id] = assemble(run)
-                    _check_trajectory_ids(run, assembled[run.run_id], self.config.vocab_size)
-            except RecordError as exc:
-                if self.config.on_malformed_run == "raise":
-                    raise
-                assembled.pop(run.run_id, None)
-                malformed[run.run_id] = str(exc)
-        return assembled, malformed
 
 
 def _check_runs(runs: Sequence[AgentRun]) -> None:
@@ -226,20 +204,9 @@ def _check_runs(runs: Sequence[AgentRun]) -> None:
         seen.add(run.run_id)
 
 
-def _check_trajectory_ids(run: AgentRun, trajectories: list[Trajectory],
-                          vocab_size: int | None) -> None:
-    """Range-check the ids of a run's trajectories (they hold every input and output id); on a
-    bad id, find and name the call (``check_run`` with every input scanned)."""
-    hi_ok = vocab_size if vocab_size is not None else np.iinfo(np.int64).max
-    for t in trajectories:
-        ids = t.token_ids
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= hi_ok):
-            check_run(run, vocab_size=vocab_size, scan_inputs=True)
-            raise RecordError(f"run {run.run_id!r}: trajectory {t.index} (agent "
-                              f"{t.agent_id!r}) holds an id outside [0, {hi_ok})")
-
-
-def _stats(pieces: list[RunPiece], dropped: list[Trajectory], failed: tuple[str, ...]):
+def run_stats(pieces: list[RunPiece], dropped: list[Trajectory],
+              failed: tuple[str, ...]) -> BatchStats:
+    """Counts over trained runs (their pieces), the dropped trajectories and failed run ids."""
     kept = [t for p in pieces for t in p.kept]
     return BatchStats(
         runs=len(pieces),

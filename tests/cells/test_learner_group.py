@@ -19,9 +19,11 @@ import torch
 
 from ray_xlong.models import build_tiny_model_dir, load_model
 from ray_xlong.models.tiny import full_precision_norms
+from ray_xlong.cells.learner_group import ElasticLearnerGroup, plan_step
+from ray_xlong.rllib.episodes import run_to_episode
 from ray_xlong.rllib.learner import DTYPES, LearnerSettings, XLongLearner, learner_config
-from ray_xlong.cells.learner_group import ElasticLearnerGroup, chunk, chunk_normalizer
 from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor
+from ray_xlong.trajectory.per_run import normalizer, pack_runs, process_run
 from ray_xlong.trajectory.loss import policy_loss
 from ray_xlong.trajectory.model import token_logprobs
 from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_runs
@@ -76,9 +78,18 @@ def reference_weights(model_dir: str, dtype: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def plan(ray, runs):
+    """What the actuator hands the group: micro-batches planned from digests, and one payload
+    ref holding the runs' episodes (processed as a rollout cell does, where they ended)."""
+    processed = [process_run(r, PROC) for r in runs]
+    payload = ray.put([run_to_episode(r, processed=p) for r, p in zip(runs, processed)])
+    micro, _ = plan_step([p.digest for p in processed], processor=PROC, max_tokens=MICRO_TOKENS)
+    return micro, [payload]
+
+
 def start_learners(ray, model_dir: str, dtype: str, n: int, *, cpus: float = 0.25):
     settings = LearnerSettings(model_dir=model_dir, lr=LR, dtype=dtype)
-    config, spec = learner_config(settings)
+    config, spec = learner_config(settings, processor=PROC)
     actors = [ray.remote(XLongLearner).options(num_cpus=cpus).remote(config=config,
                                                                       module_spec=spec)
               for _ in range(n)]
@@ -92,16 +103,15 @@ def train(ray, group: ElasticLearnerGroup, schedule, *, chunks: int) -> None:
     for step in range(2):
         runs = step_runs(step)
         per = len(runs) // chunks
-        parts = [chunk(runs[i * per:(i + 1) * per], processor=PROC, max_tokens=MICRO_TOKENS)
-                 for i in range(chunks)]
+        parts = [plan(ray, runs[i * per:(i + 1) * per]) for i in range(chunks)]
         group.begin(step)
         refs, i = [], 0
-        for part in parts:
-            for j, micro in enumerate(part):
+        for part, payloads in parts:
+            for micro in part:
                 cell = schedule[step](i)
                 if cell not in group.members:
                     group.join(cell)
-                refs.append(group.submit(cell, micro, new_chunk=j == 0))
+                refs.append(group.submit(cell, micro, payloads=payloads))
                 i += 1
         ray.get(refs)
         group.finish()
@@ -170,16 +180,22 @@ def test_same_batch_same_weights_whoever_trains_it(ray_local, learner_pool, mode
         assert weight_err <= weight_tol and update_err <= update_tol
 
 
-def test_chunk_weights_add_up_to_the_batch_normalizer():
+def test_planned_weights_add_up_to_the_batch_normalizer():
     runs = step_runs(0)
-    whole = TrajectoryProcessor(PROC).process(runs).packed
-    parts = [chunk(runs[i:i + 6], processor=PROC, max_tokens=MICRO_TOKENS) for i in (0, 6)]
-    assert sum(p[0].weight for p in parts) == whole.num_targets
-    scales = torch.cat([m.tensors["loss_scale"] for p in parts for m in p])
-    assert torch.equal(scales, torch.ones_like(scales))     # un-normalised, exactly 1 each
-    assert sum(m.targets for p in parts for m in p) == whole.num_targets
-    assert chunk_normalizer(0, 3, "run") == 3.0 and chunk_normalizer(0, 0, "token") == 1.0
-    assert list(itertools.chain(*(p[0].run_ids for p in parts))) == [r.run_id for r in runs]
+    whole = TrajectoryProcessor(PROC).process(runs)
+    processed = {r.run_id: process_run(r, PROC) for r in runs}
+    parts = [plan_step([processed[r.run_id].digest for r in runs[i:i + 6]], processor=PROC,
+                       max_tokens=MICRO_TOKENS)[0] for i in (0, 6)]
+    micro = [m for p in parts for m in p]
+    assert sum(m.weight for m in micro) == whole.packed.num_targets
+    assert sum(m.targets for m in micro) == whole.packed.num_targets
+    for m in micro:                                          # un-normalised, exactly 1 each
+        packed = pack_runs([processed[r] for r in m.run_ids],
+                           dict(zip(m.run_ids, m.advantages)), config=PROC)
+        assert torch.equal(packed.loss_scale, torch.ones_like(packed.loss_scale))
+        assert m.advantages == tuple(whole.advantages[r] for r in m.run_ids)  # whole groups
+    assert list(itertools.chain(*(m.run_ids for m in micro))) == [r.run_id for r in runs]
+    assert normalizer([], "run") == 1.0 and normalizer([], "token") == 1.0
 
 
 @pytest.mark.parametrize("when", ["mid-step", "in-reduce"])
@@ -201,20 +217,20 @@ def test_a_learner_lost_mid_step_gives_the_same_update(ray_local, model_dir, whe
         (new,) = start_learners(ray_local, model_dir, "float32", 1, cpus=0)
         ray_local.get(new.set_xlong_state.remote(group.state_ref))
         replaced.append(cell)
-        return [(m, False) for m in group.replace(cell, new)]
+        return [(m, True) for m in group.replace(cell, new)]
 
     for step in range(2):
-        micro = chunk(step_runs(step), processor=PROC, max_tokens=MICRO_TOKENS)
+        micro, payloads = plan(ray_local, step_runs(step))
         group.begin(step)
         ray_local.get([group.join(c) for c in range(3)])
-        queue, i = [(m, j == 0) for j, m in enumerate(micro)], 0
+        queue, i = [(m, False) for m in micro], 0
         while queue:
             cell = sorted(group.members)[i % len(group.members)]
-            m, first = queue.pop(0)
+            m, counted = queue.pop(0)
             if step == 0 and when == "mid-step" and i == len(micro) // 2:
                 ray_local.kill(learners[1], no_restart=True)
             try:
-                ray_local.get(group.submit(cell, m, new_chunk=first))
+                ray_local.get(group.submit(cell, m, payloads=payloads, counted=counted))
             except ray_local.exceptions.RayActorError:
                 queue += replace(cell)               # includes the micro-batch that failed
                 ray_local.get(group.join(cell))      # back in the step, on the step's state
@@ -231,7 +247,7 @@ def test_a_learner_lost_mid_step_gives_the_same_update(ray_local, model_dir, whe
                     replace(c)
                 for j, m in enumerate(inc.redo):     # the survivors train the lost work
                     cell = sorted(group.members)[j % len(group.members)]
-                    ray_local.get(group.submit(cell, m, new_chunk=False))
+                    ray_local.get(group.submit(cell, m, payloads=payloads, counted=True))
     assert replaced == [1 if when == "mid-step" else 2] and group.version == 2
     weight_err, update_err = errors(ray_local.get(group.learners[0].get_weights.remote()), want,
                                     start)

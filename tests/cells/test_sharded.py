@@ -16,10 +16,11 @@ from ray_xlong.cells.learner_group import ElasticLearnerGroup
 from ray_xlong.cells.sharded import rank_rows, start_sharded_cell
 from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.models import load_model
+from ray_xlong.rllib.episodes import processed_runs
 from ray_xlong.trajectory import TrajectoryProcessor
 import tests.cells.test_learner_group as lg
-from tests.cells.test_learner_group import (LR, PROC, errors, model_dir, ray_local,  # noqa: F401
-                                            reference_weights, step_runs, train)
+from tests.cells.test_learner_group import (LR, PROC, errors, model_dir, plan,  # noqa: F401
+                                            ray_local, reference_weights, step_runs, train)
 
 WIDE_MICRO_TOKENS = 1500   # 2-4 rows per micro-batch: both ranks of a cell get rows
 
@@ -32,7 +33,8 @@ def start_cells(model_dir: str, n: int) -> list:
     import ray
 
     cells = [start_sharded_cell(pg=None, settings=settings, sharding=sharding,
-                                nodes_per_cell=1, gpus_per_node=0) for _ in range(n)]
+                                nodes_per_cell=1, gpus_per_node=0, processor=PROC,
+                                runs_of=processed_runs) for _ in range(n)]
     ray.get([c.build.remote() for c in cells])
     return cells
 
@@ -81,11 +83,13 @@ def test_rank_rows_cover_every_row_once_and_pad_an_idle_rank():
 
 
 @pytest.mark.slow
-def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir):
+def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir, monkeypatch):
     """Rank 1 of cell 1 dies between micro-batches: the cell's next call fails as an actor loss
     (``actor_lost``), a new 2-rank cell takes its place, the micro-batches the dead cell held go
     to the queue again, and both steps end on the plain-torch weights."""
-    from ray_xlong.cells.learner_group import actor_lost, chunk
+    from ray_xlong.cells.learner_group import actor_lost
+
+    monkeypatch.setattr(lg, "MICRO_TOKENS", WIDE_MICRO_TOKENS)
 
     want = reference_weights(model_dir, "float32")
     start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}
@@ -94,7 +98,8 @@ def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir):
 
     def new_cell():
         cell = start_sharded_cell(pg=None, settings=settings, sharding=sharding,
-                                  nodes_per_cell=1, gpus_per_node=0)
+                                  nodes_per_cell=1, gpus_per_node=0, processor=PROC,
+                                  runs_of=processed_runs)
         ray_local.get(cell.build.remote())
         return cell
 
@@ -103,23 +108,23 @@ def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir):
     lost = []
     try:
         for step in range(2):
-            micro = chunk(step_runs(step), processor=PROC, max_tokens=WIDE_MICRO_TOKENS)
+            micro, payloads = plan(ray_local, step_runs(step))
             group.begin(step)
             ray_local.get([group.join(c) for c in range(2)])
-            queue, i = [(m, j == 0) for j, m in enumerate(micro)], 0
+            queue, i = [(m, False) for m in micro], 0
             while queue:
                 cell = sorted(group.members)[i % len(group.members)]
-                m, first = queue.pop(0)
+                m, counted = queue.pop(0)
                 if step == 0 and i == 2:
                     ray_local.kill(group.learners[1].ranks[1], no_restart=True)
                 try:
-                    ray_local.get(group.submit(cell, m, new_chunk=first))
+                    ray_local.get(group.submit(cell, m, payloads=payloads, counted=counted))
                 except ray_local.exceptions.RayError as exc:
                     assert actor_lost(exc) or "rank" in str(exc).lower() or cell == 1
                     group.learners[cell].kill()
                     replacement = new_cell()
                     ray_local.get(replacement.set_xlong_state.remote(group.state_ref))
-                    queue += [(x, False) for x in group.replace(cell, replacement)]
+                    queue += [(x, True) for x in group.replace(cell, replacement)]
                     ray_local.get(group.join(cell))
                     lost.append(cell)
                 i += 1

@@ -69,7 +69,7 @@ def trained(local_ray, plain_model, tmp_path_factory):
     results = [algo.train() for _ in range(2)]
     path = tmp_path_factory.mktemp("ckpt") / "algo"
     algo.save_to_path(str(path))
-    weights = {k: v.clone() for k, v in ray.get(algo.actuator.group.state_ref)["weights"]
+    weights = {k: v.clone() for k, v in ray.get(algo.actuator.learners.state_ref)["weights"]
                .items()}
     algo.stop()
     return results, path, weights
@@ -200,3 +200,40 @@ def test_reward_rises_in_elastic_mode(tmp_path_factory):
         ray.shutdown()
     rise = float(np.mean(rewards[-5:]) - np.mean(rewards[:3]))
     assert rise >= 0.3, rewards
+
+
+def test_a_users_learner_connector_piece_runs_on_the_training_batch(local_ray, plain_model):
+    """Issue 11: a learner connector piece the user added to their config runs in the cells'
+    Learner connector pipeline, before PrefixTreeConnector builds the module batch (RLlib's
+    order: custom pieces, then the batch builder), on the episodes of the runs trained."""
+    import ray_xlong
+    from ray.rllib.algorithms.ppo import PPOConfig
+    from ray.rllib.connectors.connector_v2 import ConnectorV2
+    from ray.rllib.core import DEFAULT_MODULE_ID
+
+    class MarkingPiece(ConnectorV2):  # local: pickled by value to the learner actors
+        def __call__(self, *, rl_module, batch, episodes, explore=None, shared_data=None,
+                     metrics=None, **kwargs):
+            metrics.log_value(("user_piece", "calls"), 1, reduce="sum")
+            metrics.log_value(("user_piece", "episodes"), len(episodes), reduce="sum")
+            metrics.log_value(("user_piece", "before_batch"), int(DEFAULT_MODULE_ID not in batch),
+                              reduce="sum")
+            return batch
+
+    mine = (PPOConfig().training(lr=1e-4, train_batch_size_per_learner=8,
+                                 learner_connector=lambda obs, act: MarkingPiece())
+            .env_runners(num_env_runners=2).debugging(seed=0))
+    algo = ray_xlong.enable(mine, mode="elastic", runs_per_group=4, slots_per_cell=8,
+                            model_dir=plain_model, placement_strategy="PACK").build_algo()
+    try:
+        result = algo.train()
+        keys = ("calls", "episodes", "before_batch")
+        seen = [ray.get(c.learner.__ray_call__.remote(
+            lambda self: {k: self.metrics.peek(("user_piece", k), default=0) for k in keys}))
+            for c in algo.pool.cells]
+    finally:
+        algo.stop()
+    total = {k: sum(s[k] for s in seen) for k in keys}
+    trained = result["env_runners"]["num_episodes"]
+    assert trained == 8 and total["episodes"] >= trained     # every trained run went through it
+    assert total["calls"] >= 1 and total["before_batch"] == total["calls"]
