@@ -137,3 +137,28 @@ def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir, monke
     finally:
         for c in group.learners:
             c.kill()
+
+
+def test_a_rank_reads_its_runs_processed_where_they_ended_or_processes_them():
+    """``processed_runs`` (the reader a rank gets) keeps the carried ``ProcessedRun``, processes
+    a run that carries none, skips unwanted runs; a rank without a reader, or whose payloads
+    lack a run, says so before training."""
+    from ray_xlong.cells.sharded import LearnerRank
+    from ray_xlong.rllib.episodes import run_to_episode
+    from ray_xlong.trajectory.per_run import process_run
+
+    runs = step_runs(0)[:3]
+    carried = process_run(runs[0], PROC)
+    episodes = [run_to_episode(runs[0], processed=carried)] + [run_to_episode(r) for r in runs[1:]]
+    got = processed_runs(episodes, wanted=[runs[0].run_id, runs[1].run_id], config=PROC)
+    assert set(got) == {runs[0].run_id, runs[1].run_id} and got[runs[0].run_id] is carried
+    assert got[runs[1].run_id].digest == process_run(runs[1], PROC).digest
+    settings = LearnerSettings(model_dir="unused", lr=LR, dtype="float32")
+    sharding = ShardingSettings(ranks_per_cell=2)
+    bare = LearnerRank(settings=settings, sharding=sharding, rank=0, world_size=2)
+    with pytest.raises(RuntimeError, match="runs_of"):
+        bare.accumulate_runs([runs[0].run_id], [1.0], 0, episodes)
+    rank = LearnerRank(settings=settings, sharding=sharding, rank=0, world_size=2,
+                       processor=PROC, runs_of=processed_runs)
+    with pytest.raises(ValueError, match="lack runs"):
+        rank.accumulate_runs(["nope"], [1.0], 0, episodes)
