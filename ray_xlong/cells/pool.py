@@ -117,7 +117,7 @@ class CellActors:
     The runner must answer the role calls the actuator makes (``start_runs`` / ``drain`` /
     ``suspend`` / ``resume`` with trailing ``after`` refs, ``wait_ended`` in a ``poll``
     concurrency group, ``num_live_runs``); the learner the elastic step calls (``build``,
-    ``accumulate``, ``take_gradients``, ``apply_step``, ``get_xlong_state`` /
+    ``accumulate_runs``, ``take_gradients``, ``apply_step``, ``get_xlong_state`` /
     ``set_xlong_state``, ``get_weights``, ``wake_up``, ``sleep``).
     """
 

@@ -298,7 +298,8 @@ class ShardedCell:
     whole) or one that fails when any rank failed (steps, loads)."""
 
     _RANK0 = ("take_gradients", "get_weights", "get_xlong_state")
-    _ALL = ("accumulate", "accumulate_runs", "apply_step", "set_xlong_state", "wake_up", "sleep", "build",
+    _ALL = ("accumulate", "accumulate_runs", "apply_step", "set_xlong_state", "wake_up",
+            "sleep", "build",
             "xlong_metrics", "__ray_ready__")
 
     def __init__(self, ranks: Sequence[Any]) -> None:
