@@ -299,8 +299,7 @@ class ShardedCell:
 
     _RANK0 = ("take_gradients", "get_weights", "get_xlong_state")
     _ALL = ("accumulate", "accumulate_runs", "apply_step", "set_xlong_state", "wake_up",
-            "sleep", "build",
-            "xlong_metrics", "__ray_ready__")
+            "sleep", "build", "xlong_metrics", "__ray_ready__")
 
     def __init__(self, ranks: Sequence[Any]) -> None:
         self.ranks = list(ranks)
