@@ -14,6 +14,8 @@ import torch
 from ray_xlong.cells.pool import CellLayout
 from ray_xlong.checks import check_int
 from ray_xlong.cells.long_horizon_job import LongHorizonJob
+from ray_xlong.cells.sharding import (ShardingSettings, check_model_fits, model_num_params,
+                                      ranks_per_bundle)
 from ray_xlong.rollout import HarnessConfig
 from ray_xlong.scheduling import Policy, SchedulingConfig, modes
 from ray_xlong.trajectory import LossConfig, ProcessorConfig
@@ -112,6 +114,8 @@ class CellJobConfig:
     """Where the driver saves its checkpoint at step boundaries (``actuator.py``); None: off."""
     checkpoint_every: int = 1
     """Steps between driver checkpoints."""
+    sharding: ShardingSettings = ShardingSettings()
+    """A training cell's Learner ranks (``cells/sharded.py``; default: one Learner per cell)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -131,6 +135,10 @@ class CellJobConfig:
                              "after a checkpoint survive a driver restart only in the spool)")
         if not self.poll_s > 0:
             raise ValueError(f"CellJobConfig.poll_s must be > 0, got {self.poll_s!r}")
+        ranks_per_bundle(self.sharding, nodes_per_cell=self.layout.nodes_per_cell,
+                         gpus_per_node=self.layout.gpus_per_node)   # before any actor starts
+        if self.sharding.memory_per_rank_gb is not None:
+            check_model_fits(self.sharding, num_params=model_num_params(self.learner.model_dir))
 
 
 def make_policy(config: CellJobConfig) -> Policy:

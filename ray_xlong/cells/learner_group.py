@@ -12,8 +12,8 @@ streams micro-batches as groups end and cells free up::
     finish() ─► take_gradients on every member ─► apply_step(all grads, Σ weights) on every
                 member ─► state (weights + Adam) of version+1 in the object store
 
-The reduce goes through the object store (each member fetches every member's gradient and sums
-them in cell order), so it works across nodes and a membership that changes per step without
+The reduce goes through the object store (one sum task in cell order, each member fetches the
+one sum: ``reduce.py``), so it works across nodes and a membership that changes per step without
 re-forming a collective group; every member ends on identical weights and optimizer state. A
 cell that joins later, or that sat out steps, first loads the latest state (``join``).
 
@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import ray
 import torch
 
+from ray_xlong.cells.reduce import reduce_gradients
 from ray_xlong.trajectory import BatchStats, ProcessorConfig, group_advantages
 from ray_xlong.trajectory.per_run import (RunDigest, merge_stats, normalizer,
                                           plan_micro_batches)
@@ -108,7 +109,7 @@ class ElasticLearnerGroup:
     """Learner actors by cell; a step's members change between micro-batches (module doc)."""
 
     def __init__(self, learners: Sequence[Any], *, state: Any = None,
-                 durable: bool = False) -> None:
+                 durable: bool = False, reduce: str = "leader") -> None:
         """Args:
             learners: one built ``XLongLearner`` actor handle per cell, all at version 0 with
                 the same weights (or all loaded with ``state``).
@@ -117,7 +118,10 @@ class ElasticLearnerGroup:
             durable: keep each step's state in the driver's object store (one copy through
                 the driver per step), so that it survives the loss of the node that computed
                 it; without it the state lives on a member's node.
+            reduce: how the members' gradients are summed (``reduce.SCHEMES``; ``leader``,
+                the cheapest measured: each member fetches one sum, not every gradient).
         """
+        self.reduce = reduce
         self.durable = durable
         if not learners:
             raise ValueError("ElasticLearnerGroup.learners: need at least one learner")
@@ -202,7 +206,7 @@ class ElasticLearnerGroup:
             raise RuntimeError(f"ElasticLearnerGroup.finish: step {self.step} has no members")
         members = sorted(self.members)
         grads = {c: self.learners[c].take_gradients.remote() for c in members}
-        parts = self.banked + [grads[c] for c in members]
+        parts = reduce_gradients(self.banked + [grads[c] for c in members], scheme=self.reduce)
         new = self.version + 1
         applied = {c: self.learners[c].apply_step.remote(parts, self.total, new)
                    for c in members}

@@ -30,6 +30,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ray_xlong.cells.sharded import kill, start_sharded_cell
+from ray_xlong.trajectory.processor import ProcessorConfig
+
 
 STRATEGIES = ("STRICT_SPREAD", "PACK", "SPREAD", "STRICT_PACK")
 
@@ -114,7 +117,7 @@ class CellActors:
     The runner must answer the role calls the actuator makes (``start_runs`` / ``drain`` /
     ``suspend`` / ``resume`` with trailing ``after`` refs, ``wait_ended`` in a ``poll``
     concurrency group, ``num_live_runs``); the learner the elastic step calls (``build``,
-    ``accumulate``, ``take_gradients``, ``apply_step``, ``get_xlong_state`` /
+    ``accumulate_runs``, ``take_gradients``, ``apply_step``, ``get_xlong_state`` /
     ``set_xlong_state``, ``get_weights``, ``wake_up``, ``sleep``).
     """
 
@@ -127,6 +130,15 @@ class CellActors:
     """Built as ``learner_class(**learner_kwargs)``, then ``build()``."""
     learner_kwargs: Mapping[str, Any]
     """Constructor arguments of every cell's learner."""
+    learner_settings: Any = None
+    """``LearnerSettings`` of a sharded learner (with ``sharding``)."""
+    sharding: Any = None
+    """``ShardingSettings``: with ``ranks_per_cell`` > 1 a cell's learner is a
+    ``sharded.ShardedCell`` of ranks over its bundles instead of ``learner_class``."""
+    processor: ProcessorConfig = ProcessorConfig()
+    """The processor configuration a sharded learner packs its micro-batches with."""
+    runs_of: Any = None
+    """A sharded learner's payload reader (``sharded.start_sharded_cell``)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -173,13 +185,13 @@ class CellPool:
         """
         c = self.cells[cell]
         old = getattr(c, which)
-        ray.kill(old, no_restart=True)
+        kill(old)
         actor = self.spawn(cell, c.pg, which)
         ready = actor.build.remote() if which == "learner" else actor.num_live_runs.remote()
         try:
             ray.get(ready, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            ray.kill(actor, no_restart=True)
+            kill(actor)
             raise TimeoutError(f"cell {cell}: new {which} not up within {timeout_s:g} s") from None
         setattr(c, which, actor)
         self.actors_replaced += 1
@@ -215,7 +227,7 @@ class CellPool:
         """Stop the actors and remove the placement groups."""
         for cell in self.cells:
             for actor in (cell.runner, cell.learner):
-                ray.kill(actor)
+                kill(actor)
             remove_placement_group(cell.pg)
 
 
@@ -260,6 +272,11 @@ def _start_actor(index: int, pg: Any, which: str, layout: CellLayout,
         return ray.remote(concurrency_groups={"poll": 1})(actors.runner_class).options(
             num_cpus=half, num_gpus=layout.gpus_per_node, scheduling_strategy=on_cell).remote(
                 cell=index, **actors.runner_kwargs)
+    if actors.sharding is not None and actors.sharding.ranks_per_cell > 1:
+        return start_sharded_cell(pg=pg, settings=actors.learner_settings,
+                                  sharding=actors.sharding, nodes_per_cell=layout.nodes_per_cell,
+                                  gpus_per_node=layout.gpus_per_node,
+                                  processor=actors.processor, runs_of=actors.runs_of)
     extra = {} if layout.learner_resource == "CPU" else {layout.learner_resource: 1.0}
     return ray.remote(actors.learner_class).options(
         num_cpus=half if not extra else 0, num_gpus=0, resources=extra,

@@ -28,6 +28,7 @@ from ray_xlong.cells.actuator import INF
 from ray_xlong.cells.records import CellActorDied, EndedRun, FaultRecord, Pending
 from ray_xlong.cells.learner_group import MicroBatch, actor_alive, actor_lost
 from ray_xlong.cells.runs import run_key
+from ray_xlong.cells.sharded import kill
 from ray_xlong.scheduling import Event, Role
 
 if TYPE_CHECKING:
@@ -213,7 +214,7 @@ class Recovery:
         helper = self._helper(cell)
         spooled = self.from_spool(cell, act.cells[helper].runner, payload_cell=helper)
         for actor in (act.cells[cell].runner, act.cells[cell].learner):
-            ray.kill(actor, no_restart=True)  # a survivor on another node must not run on
+            kill(actor)  # a survivor on another node must not run on
         act.chain.pop(cell, None)
         try:
             orphans = act.m.retire_cell(cell, act.now())

@@ -23,7 +23,7 @@ from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.cells.pool import CellActors
 from ray_xlong.cells.spool import RunSpool
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
-from ray_xlong.rllib.episodes import run_to_episode
+from ray_xlong.rllib.episodes import processed_runs, run_to_episode
 from ray_xlong.rllib.learner import XLongLearner, learner_config
 from ray_xlong.rollout.run_stats import run_stats
 from ray_xlong.rollout.tasks import TASKS, TaskFactory, register_task
@@ -130,11 +130,13 @@ def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
                 processor: ProcessorConfig = ProcessorConfig(),
                 tasks: Mapping[str, TaskFactory] | None = None, seed: int = 0,
                 spool_dir: str | None = None,
-                learner_connector: Callable[..., Any] | None = None) -> CellActors:
+                learner_connector: Callable[..., Any] | None = None,
+                sharding: Any = None) -> CellActors:
     """The runner (:class:`CellRunner` on ``rollout``: processes each run where it ended with
     ``processor``; ``tasks`` registered in it; ended runs spooled to ``spool_dir`` when given)
     and the learner (:class:`XLongLearner` on ``learner``, seeded; its Learner connector
-    pipeline runs the user's ``learner_connector`` pieces, then ``PrefixTreeConnector``)."""
+    pipeline runs the user's ``learner_connector`` pieces, then ``PrefixTreeConnector``). With
+    ``sharding`` of more than one rank a cell's learner is a set of ranks instead."""
     from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 
     config, spec = learner_config(learner, seed=seed, processor=processor,
@@ -145,4 +147,6 @@ def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
                        "tasks": dict(tasks or {}), "spool_dir": spool_dir,
                        "processor": processor},
         learner_class=XLongLearner,
-        learner_kwargs={"config": config, "module_spec": spec})
+        learner_kwargs={"config": config, "module_spec": spec},
+        learner_settings=learner, sharding=sharding, processor=processor,
+        runs_of=processed_runs)

@@ -36,7 +36,8 @@ from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
 from ray_xlong.trajectory import AgentRun
-from ray_xlong.trajectory.per_run import ProcessedRun
+from ray_xlong.trajectory.per_run import ProcessedRun, process_run
+from ray_xlong.trajectory.processor import ProcessorConfig
 
 RUN_KEY = "xlong_run"
 """``episode.custom_data[RUN_KEY]`` holds the episode's :class:`AgentRun`."""
@@ -166,4 +167,18 @@ def processed_by_run(episodes: Sequence[object]) -> dict[str, ProcessedRun]:
         processed = episode.custom_data.get(PROCESSED_KEY)
         if processed is not None:
             out[run_of(episode).run_id] = processed
+    return out
+
+
+def processed_runs(episodes: Sequence[object], *, wanted: Iterable[str],
+                   config: ProcessorConfig) -> dict[str, ProcessedRun]:
+    """Run id → ``ProcessedRun`` of the episodes' runs in ``wanted``: the one processed where
+    the run ended, else processed here with ``config`` (what ``PrefixTreeConnector`` packs;
+    a sharded cell's ranks read their micro-batches with it)."""
+    wanted, out = set(wanted), {}
+    for episode in single_agent_episodes(episodes):
+        run = run_of(episode)
+        if run.run_id in wanted:
+            out[run.run_id] = (episode.custom_data.get(PROCESSED_KEY)
+                               or process_run(run, config))
     return out

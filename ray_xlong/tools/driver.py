@@ -36,7 +36,7 @@ def start_cells(config: CellJobConfig) -> CellPool:
     actors = cell_actors(rollout=rollout_config(config), learner=config.learner,
                          processor=config.processor, tasks=config.work.tasks(),
                          seed=config.work.seed,
-                         spool_dir=config.spool_dir)
+                         spool_dir=config.spool_dir, sharding=config.sharding)
     return create_cells(config.layout, actors=actors)
 
 

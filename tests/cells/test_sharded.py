@@ -1,0 +1,164 @@
+"""Sharded cells (FSDP2, gloo on CPU): 2-rank cells train the plain-torch weights, and the
+elastic membership invariance holds across multi-rank cells (DESIGN.md invariant 7).
+
+The schedules and the reference are those of ``test_learner_group`` (two steps, 4 groups each,
+~6 micro-batches per step): one 2-rank cell alone, and two 2-rank cells where cell 1 joins at
+micro-batch 2 of step 0 and step 1 is trained by cell 1 alone after the streamed chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_xlong.cells.config import LearnerSettings
+from ray_xlong.cells.learner_group import ElasticLearnerGroup
+from ray_xlong.cells.sharded import rank_rows, start_sharded_cell
+from ray_xlong.cells.sharding import ShardingSettings
+from ray_xlong.models import load_model
+from ray_xlong.rllib.episodes import processed_runs
+from ray_xlong.trajectory import TrajectoryProcessor
+import tests.cells.test_learner_group as lg
+from tests.cells.test_learner_group import (LR, PROC, errors, model_dir, plan,  # noqa: F401
+                                            ray_local, reference_weights, step_runs, train)
+
+WIDE_MICRO_TOKENS = 1500   # 2-4 rows per micro-batch: both ranks of a cell get rows
+
+pytestmark = [pytest.mark.ray]
+
+
+def start_cells(model_dir: str, n: int) -> list:
+    settings = LearnerSettings(model_dir=model_dir, lr=LR, dtype="float32")
+    sharding = ShardingSettings(ranks_per_cell=2)
+    import ray
+
+    cells = [start_sharded_cell(pg=None, settings=settings, sharding=sharding,
+                                nodes_per_cell=1, gpus_per_node=0, processor=PROC,
+                                runs_of=processed_runs) for _ in range(n)]
+    ray.get([c.build.remote() for c in cells])
+    return cells
+
+
+SCHEDULES = [
+    pytest.param(1, [lambda i: 0, lambda i: 0], 1, id="one-2-rank-cell"),
+    # step 0: cell 0 alone, cell 1 joins at micro-batch 2; step 1: cell 1 alone (it must
+    # hold the step-0 weights and Adam state), two streamed chunks per step.
+    pytest.param(2, [lambda i: 0 if i < 2 else 1, lambda i: 1], 2, id="2x2-ranks-join"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,schedule,chunks", SCHEDULES)
+def test_sharded_cells_train_the_plain_torch_weights(ray_local, model_dir, n, schedule, chunks,
+                                                     monkeypatch):
+    monkeypatch.setattr(lg, "MICRO_TOKENS", WIDE_MICRO_TOKENS)
+    want = reference_weights(model_dir, "float32")
+    start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}
+    cells = start_cells(model_dir, n)
+    try:
+        group = ElasticLearnerGroup(cells)
+        train(ray_local, group, schedule, chunks=chunks)
+        assert group.version == 2
+        got = ray_local.get(cells[-1].get_weights.remote())
+        weight_err, update_err = errors(got, want, start)
+        rank1 = ray_local.get(cells[0].ranks[1].xlong_metrics.remote())
+        print(f"sharded n={n}: weights {weight_err:.2e}, update {update_err:.2e}; "
+              f"rank 1 of cell 0 trained {rank1['tokens']} targets")
+        assert rank1["tokens"] > 0            # the cell's second rank trained rows of its own
+        assert weight_err <= 1e-5 and update_err <= 1e-4
+    finally:
+        for c in cells:
+            c.kill()
+
+
+def test_rank_rows_cover_every_row_once_and_pad_an_idle_rank():
+    packed = TrajectoryProcessor(PROC).process(step_runs(0)).packed
+    rows = int(packed.input_ids.shape[0])
+    parts = [rank_rows(packed, rank=r, world_size=2) for r in range(2)]
+    assert sum(p.input_ids.shape[0] for p, _ in parts) == rows
+    assert sum(t for _, t in parts) == packed.num_targets
+    idle, targets = rank_rows(packed, rank=rows, world_size=rows + 1)
+    assert targets == 0 and idle.input_ids.shape[0] == 1
+    assert torch.count_nonzero(idle.loss_scale) == 0
+
+
+@pytest.mark.slow
+def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir, monkeypatch):
+    """Rank 1 of cell 1 dies between micro-batches: the cell's next call fails as an actor loss
+    (``actor_lost``), a new 2-rank cell takes its place, the micro-batches the dead cell held go
+    to the queue again, and both steps end on the plain-torch weights."""
+    from ray_xlong.cells.learner_group import actor_lost
+
+    monkeypatch.setattr(lg, "MICRO_TOKENS", WIDE_MICRO_TOKENS)
+
+    want = reference_weights(model_dir, "float32")
+    start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}
+    settings = LearnerSettings(model_dir=model_dir, lr=LR, dtype="float32")
+    sharding = ShardingSettings(ranks_per_cell=2, timeout_s=15)
+
+    def new_cell():
+        cell = start_sharded_cell(pg=None, settings=settings, sharding=sharding,
+                                  nodes_per_cell=1, gpus_per_node=0, processor=PROC,
+                                  runs_of=processed_runs)
+        ray_local.get(cell.build.remote())
+        return cell
+
+    cells = [new_cell(), new_cell()]
+    group = ElasticLearnerGroup(cells)
+    lost = []
+    try:
+        for step in range(2):
+            micro, payloads = plan(ray_local, step_runs(step))
+            group.begin(step)
+            ray_local.get([group.join(c) for c in range(2)])
+            queue, i = [(m, False) for m in micro], 0
+            while queue:
+                cell = sorted(group.members)[i % len(group.members)]
+                m, counted = queue.pop(0)
+                if step == 0 and i == 2:
+                    ray_local.kill(group.learners[1].ranks[1], no_restart=True)
+                try:
+                    ray_local.get(group.submit(cell, m, payloads=payloads, counted=counted))
+                except ray_local.exceptions.RayError as exc:
+                    assert actor_lost(exc) or "rank" in str(exc).lower() or cell == 1
+                    group.learners[cell].kill()
+                    replacement = new_cell()
+                    ray_local.get(replacement.set_xlong_state.remote(group.state_ref))
+                    queue += [(x, True) for x in group.replace(cell, replacement)]
+                    ray_local.get(group.join(cell))
+                    lost.append(cell)
+                i += 1
+            group.finish()
+        assert lost == [1] and group.version == 2
+        weight_err, update_err = errors(ray_local.get(group.learners[1].get_weights.remote()),
+                                        want, start)
+        print(f"rank lost: weights {weight_err:.2e}, update {update_err:.2e}")
+        assert weight_err <= 1e-5 and update_err <= 1e-4
+    finally:
+        for c in group.learners:
+            c.kill()
+
+
+def test_a_rank_reads_its_runs_processed_where_they_ended_or_processes_them():
+    """``processed_runs`` (the reader a rank gets) keeps the carried ``ProcessedRun``, processes
+    a run that carries none, skips unwanted runs; a rank without a reader, or whose payloads
+    lack a run, says so before training."""
+    from ray_xlong.cells.sharded import LearnerRank
+    from ray_xlong.rllib.episodes import run_to_episode
+    from ray_xlong.trajectory.per_run import process_run
+
+    runs = step_runs(0)[:3]
+    carried = process_run(runs[0], PROC)
+    episodes = [run_to_episode(runs[0], processed=carried)] + [run_to_episode(r) for r in runs[1:]]
+    got = processed_runs(episodes, wanted=[runs[0].run_id, runs[1].run_id], config=PROC)
+    assert set(got) == {runs[0].run_id, runs[1].run_id} and got[runs[0].run_id] is carried
+    assert got[runs[1].run_id].digest == process_run(runs[1], PROC).digest
+    settings = LearnerSettings(model_dir="unused", lr=LR, dtype="float32")
+    sharding = ShardingSettings(ranks_per_cell=2)
+    bare = LearnerRank(settings=settings, sharding=sharding, rank=0, world_size=2)
+    with pytest.raises(RuntimeError, match="runs_of"):
+        bare.accumulate_runs([runs[0].run_id], [1.0], 0, episodes)
+    rank = LearnerRank(settings=settings, sharding=sharding, rank=0, world_size=2,
+                       processor=PROC, runs_of=processed_runs)
+    with pytest.raises(ValueError, match="lack runs"):
+        rank.accumulate_runs(["nope"], [1.0], 0, episodes)

@@ -1,0 +1,69 @@
+"""Multi-rank cells under the actuator: 2 cells whose Learner is a 2-rank FSDP2 cell (gloo),
+one Ray node; colocated and elastic jobs keep the cell invariants (no cell left rollout with a
+live run, runs stayed on their cell, staleness <= bound, every ended run trained once)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+import pytest
+
+from ray_xlong.cells.config import CellJobConfig, LearnerSettings
+from ray_xlong.cells.long_horizon_job import LongHorizonJob
+from ray_xlong.cells.metrics import check_invariants
+from ray_xlong.cells.pool import CellLayout
+from ray_xlong.cells.sharded import ShardedCell
+from ray_xlong.cells.sharding import ShardingError, ShardingSettings
+from ray_xlong.models import build_tiny_model_dir
+from ray_xlong.rollout import HarnessConfig
+from ray_xlong.rollout.tasks import LongHorizonConfig
+from ray_xlong.scheduling import SchedulingConfig
+from ray_xlong.tools.driver import run_job, start_cells
+
+JOB = SchedulingConfig(total_steps=2, batch_groups=2, runs_per_group=2, staleness_bound=1)
+WORK = LongHorizonJob(task=LongHorizonConfig(num_steps=3, latency_median_s=900.0,
+                                             latency_sigma=0.8, time_scale=1 / 3600), seed=3)
+LAYOUT = CellLayout(cells=2, nodes_per_cell=1, gpus_per_node=1, cpus_per_bundle=1.0,
+                    strategy="PACK")
+
+
+def config(model_dir: str, **kwargs) -> CellJobConfig:
+    return CellJobConfig(mode="elastic", job=JOB, layout=LAYOUT,
+                         learner=LearnerSettings(model_dir=model_dir, lr=1e-4), slots_per_cell=2,
+                         work=WORK, sharding=ShardingSettings(ranks_per_cell=2),
+                         harness=HarnessConfig(max_new_tokens=32, wall_clock_s=2.5,
+                                               tool_timeout_s=2.5), **kwargs)
+
+
+def test_cuda_ranks_on_cells_without_gpus_fail_before_anything_starts(tmp_path):
+    with pytest.raises(ShardingError, match=r"ShardingSettings.device='cuda'"):
+        CellJobConfig(mode="elastic", job=JOB, layout=dataclasses.replace(LAYOUT, gpus_per_node=0),
+                      learner=LearnerSettings(model_dir=str(tmp_path)),
+                      sharding=ShardingSettings(ranks_per_cell=2, device="cuda"))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["colocated", "elastic"])
+def test_modes_keep_the_cell_invariants_with_2_rank_cells(tmp_path_factory, mode):
+    import ray
+
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False,
+             object_store_memory=300 * 1024 ** 2)
+    try:
+        model_dir = str(build_tiny_model_dir(tmp_path_factory.mktemp("sm") / "m", seed=0))
+        cfg = dataclasses.replace(config(model_dir), mode=mode)
+        pool = start_cells(cfg)
+        try:
+            assert all(isinstance(c.learner, ShardedCell) and len(c.learner) == 2
+                       for c in pool.cells)
+            result = run_job(cfg, pool)
+            assert check_invariants(result, staleness_bound=JOB.staleness_bound) == []
+            assert [e.kind for e in result.events].count("step_ended") == JOB.total_steps
+        finally:
+            pool.shutdown()
+    finally:
+        ray.shutdown()
