@@ -34,7 +34,6 @@ import dataclasses
 from typing import Any, Sequence
 
 import ray
-import torch
 
 from ray_xlong.cells.reduce import reduce_gradients
 from ray_xlong.trajectory import BatchStats, ProcessorConfig, group_advantages
