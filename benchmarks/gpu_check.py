@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from ray_xlong.models import build_tiny_model_dir, load_model, load_tokenizer
+from ray_xlong.models import build_tiny_model_dir, load_model
 from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor
 from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_runs
 
@@ -56,7 +56,7 @@ def runs_for(ctx: Ctx, groups: int = 2):
 
 def stage_engine(ctx: Ctx) -> dict:
     from ray_xlong.cells.engines import EngineLayout, engine_set_factory
-    from ray_xlong.rollout import ChatFormat, HarnessConfig, HFEngine, Harness
+    from ray_xlong.rollout import HarnessConfig, HFEngine, Harness, load_chat_format
     from ray_xlong.rollout.tasks import make_task
 
     if ctx.device == "cuda":
@@ -71,7 +71,7 @@ def stage_engine(ctx: Ctx) -> dict:
     layout.check(nodes_per_cell=1, gpus_per_node=n if ctx.device == "cuda" else 0)
     engines = engine_set_factory(layout, make)()
     ctx.engines = engines
-    harness = Harness(engines, ChatFormat(load_tokenizer(ctx.model_dir)),
+    harness = Harness(engines, load_chat_format(ctx.model_dir),
                       config=HarnessConfig(max_new_tokens=16, max_calls=4))
     t0 = time.perf_counter()
     results = asyncio.run(harness.run_many(

@@ -21,10 +21,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chat(model_dir):
-    from ray_xlong.models import load_tokenizer
-    from ray_xlong.rollout import ChatFormat
+    from ray_xlong.rollout import load_chat_format
 
-    return ChatFormat(load_tokenizer(model_dir))
+    return load_chat_format(model_dir)
 
 
 @pytest.mark.parametrize("engines,tp,nodes,gpus,per", [
