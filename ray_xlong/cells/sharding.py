@@ -90,6 +90,8 @@ def ranks_per_bundle(settings: ShardingSettings, *, nodes_per_cell: int,
     if settings.device == "cuda" and gpus_per_node < 1:
         raise ShardingError(f"ShardingSettings.device='cuda' but the cell's bundles have no GPUs "
                             f"(CellLayout.gpus_per_node={gpus_per_node})")
+    if settings.ranks_per_cell == 1:    # one unsharded Learner on the cell's first bundle
+        return 1
     if settings.ranks_per_cell % nodes_per_cell:
         raise ShardingError(f"ShardingSettings.ranks_per_cell={settings.ranks_per_cell} does not "
                             f"split over CellLayout.nodes_per_cell={nodes_per_cell} bundles")

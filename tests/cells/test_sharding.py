@@ -19,6 +19,9 @@ def test_cuda_on_bundles_without_gpus_names_the_field():
     pytest.param(4, 1, 0, "cpu", 4, id="four-cpu-ranks-one-bundle"),
     pytest.param(32, 4, 8, "cuda", 8, id="4-nodes-x-8-gpus"),
     pytest.param(8, 4, 8, "cuda", 2, id="2-ranks-of-4-gpus-per-node"),
+    # the default: one unsharded Learner (on the first bundle) fits a cell of any size
+    pytest.param(1, 2, 0, "cpu", 1, id="unsharded-on-a-2-node-cell"),
+    pytest.param(1, 4, 8, "cuda", 1, id="unsharded-on-a-4-node-gpu-cell"),
 ])
 def test_ranks_split_over_bundles(ranks, nodes, gpus, device, per):
     settings = ShardingSettings(ranks_per_cell=ranks, device=device)
