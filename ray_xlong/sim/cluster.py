@@ -6,7 +6,8 @@ calls interleave with tool execution). Training is throughput-bound: a step's un
 (cells training × tokens per cell-hour), plus a fixed per-step cost paid once per step
 (optimizer update, gradient reduce, weight broadcast). A rollout→training switch costs
 ``to_train_h`` (sleep the engine, wake the learner); training→rollout costs ``sync_h``
-(load weights into the engine, wake it).
+(load weights into the engine, wake it). With ``finish_blocks`` the per-step fixed cost also
+stops the driver (the Ray driver's serial cost): events during it wait until it ends.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class CostConfig:
     parallel_training_cells: float = float("inf")
     """Most cells whose training runs at full speed at once; more training cells share that
     throughput (a test bed whose logical GPUs share a few CPU cores). inf on real GPUs."""
+    finish_blocks: bool = False
+    """The step's fixed cost blocks the actuator: whatever happens meanwhile (a run ends, a
+    switch or sync ends) is seen, and acted on, only when the step has ended. The Ray driver
+    waits for the reduce, the optimizer step and the weight push (``RayActuator._finish_step``),
+    so its rollout cells start no runs in that time; False: a separate process would do it."""
 
     def __post_init__(self) -> None:
         if not self.parallel_training_cells >= 1:

@@ -9,6 +9,9 @@ heap of (time, seq, what) ──pop──► report to CellMachine ──► pol
 Training is a fluid: the step in progress holds the cell-hours of the groups it took; the
 cells on it (after their switch) work it down at one cell-hour per hour each; when all taken
 work is done and the step holds B groups, the fixed per-step cost follows and the step ends.
+With ``CostConfig.finish_blocks`` that fixed cost blocks the actuator, as it blocks the Ray
+driver: events falling inside it are handled when it ends (runs that ended meanwhile free
+their slots, and new runs start, only then).
 
 Invariants: the policy is called with the state *after* each event, and again at the same
 instant until it returns no moves (at most ``MAX_ROUNDS`` + 4 per cell); the run is deterministic for a
@@ -76,6 +79,7 @@ class _Sim:
         self.work_left = 0.0  # cell-hours of taken work not yet trained
         self.gen = 0  # invalidates stale "exhausted" events
         self.finishing = False
+        self.blocked_until = -1.0  # costs.finish_blocks: the driver is busy ending a step
         self.busy = 0.0
 
     def push(self, t: float, what: str, a: int = -1, b: int = -1) -> None:
@@ -148,6 +152,8 @@ class _Sim:
             if m.step_groups == m.config.batch_groups:
                 self.finishing = True
                 self.push(self.now + self.costs.step_fixed_h, "step_end")
+                if self.costs.finish_blocks:
+                    self.blocked_until = self.now + self.costs.step_fixed_h
             else:
                 m.set_starved(True, self.now)
         else:
@@ -163,11 +169,23 @@ class _Sim:
                 raise SimulationStalled(f"{self.policy.name}: stalled at {self.now:.3f} h: "
                                         f"{self.m.snapshot(self.now)}")
             t, _, what, a, b = heapq.heappop(self.heap)
+            if t < self.blocked_until - EPS and what != "step_end":
+                self.defer(t, what, a, b)
+                continue
             self.advance(t)
             self.handle(what, a, b)
             self.train()
             self.act()
         return self.result()
+
+    def defer(self, t: float, what: str, a: int, b: int) -> None:
+        """An event during a blocking step finish: seen when the finish ends (a switch or sync
+        that ended meanwhile makes its cell ready then, as the Ray driver logs it)."""
+        if what == "ready":
+            if abs(self.m.ready_at[a] - t) > EPS:
+                return  # superseded anyway
+            self.m.busy_until(a, self.blocked_until)
+        self.push(self.blocked_until, what, a, b)
 
     def result(self) -> SimResult:
         led = self.m.ledger

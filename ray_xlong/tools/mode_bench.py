@@ -33,6 +33,14 @@ PAPER8_MODES = ("colocated", "async", "elastic", "forecast", "best_static")
 """The modes ``--size paper8`` runs (``best_static``: async with the split the simulator finds
 best for the calibrated workload, hindsight over every split: :func:`best_static_rollout_cells`)."""
 
+KEEP_TASK_WORKERS = {"num_workers_soft_limit": 64}
+"""Ray settings of the embedded Ray: keep idle task workers. With two actors a cell there are
+more workers than the (logical) CPUs, the soft limit, so Ray kills every idle task worker and
+each step's gradient sum (the ``reduce._add`` task) started a fresh Python worker: 4-5 s on
+this machine, measured, a step after a few idle seconds — a start-up cost of the test bed
+that the simulator's fixed step cost (a median) cannot hold and that a cluster with real CPUs
+per node does not pay."""
+
 SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, task steps,
     # median tool latency (task seconds; 3600 = one wall second)
     "smoke": dict(cells=2, steps=2, batch=2, group=2, slots=2, async_rollout=1, task_steps=3,
@@ -163,7 +171,8 @@ def sim_inputs(config, cal: dict):
     costs = CostConfig(train_tokens_per_cell_h=cal["train_tokens_per_s"],
                        step_fixed_h=cal["step_finish_s"], to_train_h=cal["switch_s"],
                        sync_h=cal["sync_s"],
-                       parallel_training_cells=cal.get("parallel_training_cells", float("inf")))
+                       parallel_training_cells=cal.get("parallel_training_cells", float("inf")),
+                       finish_blocks=True)  # the driver waits for each step's finish
     return workload, cluster, costs
 
 
@@ -336,7 +345,7 @@ def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = N
     elif owned:
         os.environ.setdefault("RAY_TMPDIR", tmp)
         ray.init(num_cpus=s["cells"], num_gpus=s["cells"], include_dashboard=False,
-                 log_to_driver=False)
+                 log_to_driver=False, _system_config=KEEP_TASK_WORKERS)
     try:
         if model_dir is None:
             model_dir = str(build_tiny_model_dir(f"{tmp}/m", seed=0))

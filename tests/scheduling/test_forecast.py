@@ -26,13 +26,25 @@ def started(slots=(4, 4, 4), plan=((0, 4, 0.0), (1, 2, 1.0), (2, 2, 2.0))) -> Ce
 
 
 def test_target_counts_ready_and_live_groups_over_the_horizon():
-    # 8 live runs = 4 groups; 1 group per cell-hour over a 2 h horizon -> ceil(4 / 2) = 2 cells.
+    # 8 live runs = 4 groups; 1 group per cell-hour over a 2 h horizon -> round(4 / 2) = 2 cells.
     m = started()
     policy = ForecastPolicy(train_groups_per_cell_h=1.0, horizon_h=2.0)
     assert policy.target_trainers(m.snapshot(2.0)) == 2
-    # a faster trainer (4 groups / cell-hour): ceil(4 / 8) = 1
+    # a faster trainer (4 groups / cell-hour): 4 / 8 = 0.5 -> 1 (at least one while work is due)
     faster = dataclasses.replace(policy, train_groups_per_cell_h=4.0)
     assert faster.target_trainers(m.snapshot(2.0)) == 1
+
+
+@pytest.mark.parametrize("per_h, want", [
+    pytest.param(1.5, 1, id="4/3=1.33->1 (ceil would keep a 2nd, mostly idle trainer)"),
+    pytest.param(1.25, 2, id="4/2.5=1.6->2"),
+    pytest.param(100.0, 1, id="4/200=0.02->1 (work is due: one trainer)"),
+])
+def test_target_is_the_nearest_number_of_cells(per_h, want):
+    # 4 groups of certain work over a 2 h horizon at per_h groups a cell-hour
+    m = started()
+    policy = ForecastPolicy(train_groups_per_cell_h=per_h, horizon_h=2.0)
+    assert policy.target_trainers(m.snapshot(2.0)) == want
 
 
 def test_drains_ahead_the_cell_whose_newest_run_is_oldest():

@@ -230,3 +230,25 @@ def test_parallel_training_cap_slows_training_on_many_cells():
     assert free.makespan_h == pytest.approx(2.0) and capped.makespan_h == pytest.approx(3.0)
     with pytest.raises(ValueError, match="CostConfig.parallel_training_cells"):
         dataclasses.replace(costs, parallel_training_cells=0.5)
+
+
+@pytest.mark.parametrize("blocks, seen_at, makespan", [
+    pytest.param(False, 1.5, 3.0, id="free: run 1 seen when it ends"),
+    pytest.param(True, 2.0, 3.0, id="blocking: seen when step 0's finish (1.0-2.0) ends"),
+])
+def test_a_blocking_step_finish_delays_what_happens_during_it(blocks, seen_at, makespan):
+    # async 1 rollout / 1 training cell, 2 steps of one 1-run group, bound 1 (both admitted at
+    # t=0); runs take 1.0 h and 1.5 h, training is free, a step's fixed cost is 1 h: step 0
+    # finishes over 1.0-2.0, when run 1 ends (1.5). The Ray driver sees it only at 2.0; step 1
+    # starts at 2.0 either way (after step 0), so both end at 3.0.
+    from ray_xlong.sim.workload import Workload
+
+    job = SchedulingConfig(total_steps=2, batch_groups=1, runs_per_group=1, staleness_bound=1)
+    w = Workload((1.0, 1.5), (1e-9, 1e-9), 1)
+    costs = CostConfig(train_tokens_per_cell_h=1.0, step_fixed_h=1.0, to_train_h=0.0,
+                       sync_h=0.0, finish_blocks=blocks)
+    cluster = ClusterConfig(cells=2, nodes_per_cell=1, gpus_per_node=1, slots_per_cell=2)
+    r = simulate(AsyncPolicy(rollout_cells=1), workload=w, cluster=cluster, costs=costs,
+                 config=job)
+    assert [e.time for e in r.events if e.kind == "run_ended" and e.run == 1] == [seen_at]
+    assert r.makespan_h == pytest.approx(makespan)
