@@ -28,8 +28,8 @@ Drifting variants (issue 15): the same cluster, costs and job; only the workload
 | paper-2.4t-shift  | first half: short token-dense tasks (median 2.50 h, timeout 3 h, 317,460 tokens/h); second half: long tool-bound tasks (median 10 h, timeout 12 h, 79,365 tokens/h); ~700k tokens a run in both | [assumed] the task mix changes abruptly at step 24 (issue 15); the job-wide geometric-mean median stays the paper's 5 h |
 
 (With tokens proportional to run time, a drift leaves the rollout ÷ training work ratio
-unchanged, and a fixed split stays right: ``median_growth`` 2 alone gives forecast 100.76 h vs
-best_static 103.58 h, 1.03×, seed 0.)
+unchanged, and a fixed split stays right: ``median_growth`` 2 alone gave forecast 100.76 h
+(its earlier round-up target) vs best_static 103.58 h, 1.03×, seed 0.)
 
 In both, the rollout ÷ training work ratio moves during the job, so no fixed split fits the
 whole job; ``best_static`` (``sim/modes.py``) picks the best split with hindsight.
