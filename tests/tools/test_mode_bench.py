@@ -43,3 +43,19 @@ def test_best_static_is_the_best_async_split_in_the_simulator():
     cfg, policy = mode_policy("best_static", config, CAL)
     assert cfg.mode == "async" and cfg.async_rollout_cells == best == policy.rollout_cells
     assert policy.name == "best_static"
+
+
+def test_the_simulator_of_a_ray_job_blocks_on_the_step_finish_as_the_driver_does():
+    # RayActuator._finish_step waits for the reduce, the optimizer step and the weight push;
+    # the simulator of the same job must hold what happens meanwhile, not let rollout go on
+    config = build_config(SIZES["paper8"], model_dir="/unused", seed=0)
+    _, _, costs = sim_inputs(config, CAL)
+    assert costs.finish_blocks and costs.step_fixed_h == CAL["step_finish_s"]
+
+
+def test_the_embedded_ray_keeps_idle_task_workers():
+    # 16 actors on 8 logical CPUs: above Ray's default soft limit every idle task worker is
+    # killed, and each step's gradient sum paid a fresh Python worker (4-5 s measured)
+    from ray_xlong.tools.mode_bench import KEEP_TASK_WORKERS
+
+    assert KEEP_TASK_WORKERS["num_workers_soft_limit"] > 2 * SIZES["paper8"]["cells"]
