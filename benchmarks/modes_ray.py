@@ -10,11 +10,12 @@ elastic, forecast and best_static (async with the split the simulator finds best
 calibrated workload); the calibration also measures how many of the 8 logical GPUs train at
 full speed at once on this machine's shared cores (``parallel_training_cells``).
 
-One Ray instance (embedded with logical GPUs, or ``--address`` of a cluster); placement groups
-created once; every mode runs the same seeded long-horizon job (time-compressed: one task hour
+One Ray instance (embedded with logical GPUs, keeping idle task workers:
+``mode_bench.KEEP_TASK_WORKERS``; or ``--address`` of a cluster); placement groups created once; every mode runs the same seeded long-horizon job (time-compressed: one task hour
 is one wall second) on the same cells. A calibration job first measures the cost model
 (per-call overhead, training tokens/s, switch, sync, step finish); the simulator then runs every
-mode on the predicted workload of the same job. The logic lives in
+mode on the predicted workload of the same job, its step finish blocking the actuator as it
+blocks the Ray driver (``CostConfig.finish_blocks``). The logic lives in
 ``ray_xlong.tools.mode_bench`` (also behind ``ray-xlong bench --backend ray``). Prints a
 markdown table and writes JSON shaped ``{"modes": {mode: {"makespan_s", "sim_makespan_s",
 "vs_elastic", "gpu_busy_frac", ...}}, "lower_bound_s", "calibration", ...}`` and one timeline
