@@ -171,7 +171,7 @@ def stage_elastic_2cell(ctx: Ctx) -> dict:
     if ctx.device == "cuda":   # two 1-rank cells sharing the first GPU (half each)
         if ctx.weights:
             ctx.weights["cell"].kill()
-        first, second = _cell(ctx, 1, gpu_share=0.5), _cell(ctx, 1, gpu_share=0.5)
+        first, second = _cell(ctx, 1, one_gpu=True), _cell(ctx, 1, one_gpu=True)
     else:
         first = ctx.weights["cell"] if ctx.weights else _cell(ctx, 1)
         second = _cell(ctx, 1)
@@ -217,24 +217,34 @@ def _plan(runs: list) -> tuple[list, list]:
     return micro, [payload]
 
 
-def _cell(ctx: Ctx, ranks: int, *, gpu_share: float | None = None):
+def _cell(ctx: Ctx, ranks: int, *, one_gpu: bool = False):
+    """A sharded cell of ``ranks`` ranks (CUDA: ranks pinned to the visible GPUs, or all to the
+    first one with ``one_gpu`` — two 1-rank cells time-share it as colocated cells do)."""
     import ray
-
-    from ray_xlong.rllib.episodes import processed_runs
 
     from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.cells.sharded import start_sharded_cell
     from ray_xlong.cells.sharding import ShardingSettings
+    from ray_xlong.rllib.learner import ConnectorBatches, learner_config
 
+    settings = LearnerSettings(model_dir=ctx.model_dir, lr=1e-3)
     sharding = ShardingSettings(ranks_per_cell=ranks, device=ctx.device,
                                 mixed_precision="bf16" if ctx.device == "cuda" else None)
-    cell = start_sharded_cell(pg=None, settings=LearnerSettings(model_dir=ctx.model_dir,
-                                                                lr=1e-3), sharding=sharding,
-                              nodes_per_cell=1, gpus_per_node=ranks if ctx.device == "cuda"
-                              else 0, gpus_per_rank=gpu_share, processor=CELL_PROC,
-                              runs_of=processed_runs)
+    ids = _visible_gpus()[:1 if one_gpu else ranks] if ctx.device == "cuda" else []
+    cell = start_sharded_cell(pg=None, settings=settings, sharding=sharding, nodes_per_cell=1,
+                              gpus_per_node=len(ids), bundle0_gpu_ids=ids,
+                              batch_of=ConnectorBatches(learner_config(settings,
+                                                                       processor=CELL_PROC)[0]))
     ray.get(cell.build.remote())
     return cell
+
+
+def _visible_gpus() -> list[str]:
+    """This process's CUDA devices as ``CUDA_VISIBLE_DEVICES`` names them."""
+    import os
+
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
 
 
 def _to(micro, device: str):
