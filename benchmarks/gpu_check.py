@@ -4,11 +4,12 @@ CPU (``--device cpu``, in CI so the script cannot rot).
 | stage          | cuda                                          | cpu                              |
 |----------------|-----------------------------------------------|----------------------------------|
 | engine         | vLLM GPU engine(s) serving agent runs          | EngineSet of 2 HF engines        |
-| sleep_wake     | vLLM sleep(level=1) / wake_up                  | HF engine sleep / wake           |
-| weight_reload  | Learner step, then weights into the engines    | same (s/GB reported)             |
+| sleep_wake     | vLLM sleep(level=1) / wake_up (real sleep mode)| HF engine sleep / wake           |
+| weight_reload  | engines asleep, Learner step, weights in, wake | same (s/GB reported)             |
 | tree_step      | tree batch with flex_attention vs per-traj.    | xlong_tree vs per-trajectory     |
-| fsdp_step      | FSDP2 sharded cell over the visible GPUs (NCCL)| 2-rank cell (gloo)               |
-| elastic_2cell  | 2 cells, the second joins mid-step             | same; weights vs fsdp_step's     |
+| fsdp_step      | FSDP2 cell, a rank per visible GPU (NCCL, bf16)| 2-rank cell (gloo)               |
+| elastic_2cell  | 2 one-rank cells time-sharing GPU 0, the second| same; weights vs fsdp_step's     |
+|                | joins mid-step                                 |                                  |
 
 Each stage runs even when an earlier one failed (its error goes in the table); the exit code is
 1 when any failed. Nothing here has run on a GPU yet (no GPU machine was available to the
@@ -92,13 +93,23 @@ def stage_sleep_wake(ctx: Ctx) -> dict:
         await ctx.engines.wake_up()
         return t1 - t0, time.perf_counter() - t1
     sleep_s, wake_s = asyncio.run(go())
-    return {"seconds": sleep_s + wake_s, "sleep_s": sleep_s, "wake_s": wake_s}
+    out = {"seconds": sleep_s + wake_s, "sleep_s": sleep_s, "wake_s": wake_s}
+    if ctx.device == "cuda":   # a real vLLM sleep, not the CPU fallback (shutdown / rebuild)
+        out["vllm_sleep_mode"] = all(e._sleep_mode for e in ctx.engines.engines)
+        if not out["vllm_sleep_mode"]:
+            raise RuntimeError("vLLM fell back to shutdown/rebuild: sleep mode not available")
+    return out
 
 
 def stage_weight_reload(ctx: Ctx) -> dict:
+    """Colocated order: engines asleep, a Learner step on the freed device, the new weights
+    sent while asleep, loaded at wake-up; then the engines serve a run."""
+    from ray_xlong.rollout import HarnessConfig, Harness, load_chat_format
+    from ray_xlong.rollout.tasks import make_task
     from ray_xlong.trajectory.accumulate import accumulate_loss
     from ray_xlong.trajectory.packing import micro_batches
 
+    asyncio.run(ctx.engines.sleep())
     model = load_model(ctx.model_dir).to(ctx.device).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     packed = TrajectoryProcessor(ProcessorConfig()).process(runs_for(ctx, 1)).packed
@@ -107,12 +118,21 @@ def stage_weight_reload(ctx: Ctx) -> dict:
     opt.step()
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     gb = sum(v.numel() * v.element_size() for v in sd.values()) / 1e9
-    t0 = time.perf_counter()
-    asyncio.run(ctx.engines.update_weights(sd, version=1))
-    seconds = time.perf_counter() - t0
+
+    async def reload() -> float:
+        t0 = time.perf_counter()
+        await ctx.engines.update_weights(sd, version=1)
+        await ctx.engines.wake_up()
+        return time.perf_counter() - t0
+    seconds = asyncio.run(reload())
+    del model, opt
     assert ctx.engines.policy_version == 1
+    harness = Harness(ctx.engines, load_chat_format(ctx.model_dir),
+                      config=HarnessConfig(max_new_tokens=8, max_calls=2))
+    served = asyncio.run(harness.run_many([make_task("arithmetic", seed=ctx.seed)],
+                                          run_ids=["after-reload"], group_ids=["g"]))
     return {"seconds": seconds, "gb": gb, "s_per_gb": seconds / gb,
-            "engines": len(ctx.engines.engines)}
+            "engines": len(ctx.engines.engines), "runs_after": len(served)}
 
 
 def stage_tree_step(ctx: Ctx) -> dict:
