@@ -291,9 +291,13 @@ def run(device: str, seed: int) -> dict:
 
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check --device cuda: torch sees no CUDA device")
+    import os
+
     torch.manual_seed(seed)
-    ctx = Ctx(device, seed, str(build_tiny_model_dir(tempfile.mkdtemp(prefix="gpu_check_"),
-                                                     seed=seed)))
+    root = tempfile.mkdtemp(prefix="gpu_check_")
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"):
+        os.environ.setdefault(var, os.path.join(root, var.lower()))   # no cache in $HOME
+    ctx = Ctx(device, seed, str(build_tiny_model_dir(os.path.join(root, "model"), seed=seed)))
     ray.init(num_cpus=2 if device == "cpu" else None, include_dashboard=False,
              object_store_memory=300 * 1024 ** 2 if device == "cpu" else None)
     results = {}

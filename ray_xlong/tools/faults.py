@@ -137,7 +137,10 @@ class FaultInjector:
             ray.kill(act.cells[cell].runner, no_restart=True)
         elif kind == "learner":
             training = act.training_cells()  # those mid micro-batch first
-            busy = [c for c in training if c in act.in_flight] or training
+            mid = [c for c in training if c in act.in_flight]
+            if not mid and any(isinstance(act.cells[c].learner, ShardedCell) for c in training):
+                return False  # a rank is lost inside a sharded step: wait for a micro-batch
+            busy = mid or training
             if not busy:
                 return False
             cell = self.rng.choice(busy)

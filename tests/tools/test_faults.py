@@ -56,6 +56,7 @@ def test_a_rank_lost_inside_a_sharded_step_loses_nothing(tmp_path):
     (r,) = json.loads(out.read_text())["faults"]
     assert r["kind"] == "learner" and r["injected"] == 1 and r["detected"] == 1, r
     assert len(r["ranks_killed"]) == 1, r                   # one rank, not the whole cell
+    assert r["micro_batches_redone"] >= 1, r                # killed mid micro-batch: redone
     assert r["runs_lost"] == 0 and r["runs_trained_twice"] == 0, r
     assert r["versions_consistent"] and r["steps"] == 2 and not r["violations"], r
     assert r["survived"] == 1 and proc.returncode == 0, proc.stdout[-2000:]
