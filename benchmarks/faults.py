@@ -2,7 +2,7 @@
 multi-node ``ray.cluster_utils`` cluster and count what was lost.
 
     python benchmarks/faults.py [--kinds runner,learner,node,driver] [--per-kind 2] [--seed 0]
-                                [--steps 4] [--cells 3] [--json PATH]
+                                [--steps 4] [--cells 3] [--ranks-per-cell 1] [--json PATH]
 
 One job per fault kind, on a fresh pool of cells (one worker node per cell, a head node without
 GPUs for the driver). ``runner`` / ``learner`` kill actors (``ray.kill``) when a seeded fraction
@@ -11,7 +11,9 @@ node like it back after a few seconds; ``driver`` runs the job in a driver proce
 (``python -m ray_xlong.tools.faults``), kills it (SIGKILL) after its first checkpoint plus a
 seeded delay, and resumes it in a new driver process. Each job is audited from its event log
 and trained-run ids (``ray_xlong.tools.faults.audit``): runs lost (goal 0), runs trained twice
-(goal 0), runs re-run, versions consistent, cell invariants.
+(goal 0), runs re-run, versions consistent, cell invariants. ``--ranks-per-cell 2``: every
+cell's Learner is 2 FSDP2 ranks (gloo) on its node, and a ``learner`` fault kills one rank in
+the middle of a sharded step (the cell's share is redone elsewhere).
 
 Table columns: injected, survived (faults after which the job still finished with a clean
 audit), runs lost, runs trained twice, runs re-run, recover_s (mean seconds from the kill to the
@@ -42,12 +44,13 @@ HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
 """Detect a removed node in ~2 s instead of ~15 s (Ray's defaults are for real networks)."""
 
 
-def make_config(root: str, *, cells: int, steps: int, seed: int):
+def make_config(root: str, *, cells: int, steps: int, seed: int, ranks_per_cell: int = 1):
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.cells.pool import CellLayout
     from ray_xlong.cells.config import CellJobConfig
     from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.cells.long_horizon_job import LongHorizonJob
+    from ray_xlong.cells.sharding import ShardingSettings
     from ray_xlong.rollout import HarnessConfig
     from ray_xlong.rollout.tasks import LongHorizonConfig
     from ray_xlong.scheduling import SchedulingConfig
@@ -65,7 +68,9 @@ def make_config(root: str, *, cells: int, steps: int, seed: int):
         layout=CellLayout(cells=cells, nodes_per_cell=1, gpus_per_node=1, cpus_per_bundle=1.0),
         learner=LearnerSettings(model_dir=str(model_dir), lr=1e-4), slots_per_cell=2,
         work=work, harness=HarnessConfig(max_new_tokens=32, wall_clock_s=2.5, tool_timeout_s=2.5),
-        spool_dir=os.path.join(root, "spool"))
+        spool_dir=os.path.join(root, "spool"),
+        # a survivor's collective gives up after timeout_s (the cell is replaced before that)
+        sharding=ShardingSettings(ranks_per_cell=ranks_per_cell, timeout_s=30.0))
 
 
 class LocalCluster:
@@ -133,6 +138,7 @@ def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, se
     rebuild = gaps_to(("node_returned",)) if kind == "node" else []
     out = row(kind, act.injector.injected[kind], a, gaps, job_s, result.faults,
               detected=sum(1 for f in result.faults if f.kind in KIND_RECORDS[kind]))
+    out["ranks_killed"] = [f.rank for f in act.injector.log if f.rank is not None]
     if kind == "node":
         finite = [g for g in rebuild if g == g]
         out["rebuild_s"] = round(sum(finite) / len(finite), 3) if finite else None
@@ -210,16 +216,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="chooses moments and victims")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per job")
     p.add_argument("--cells", type=int, default=3, help="cells (one worker node each)")
+    p.add_argument("--ranks-per-cell", type=int, default=1,
+                   help="Learner ranks per cell (FSDP2, gloo; a learner fault kills one rank)")
     p.add_argument("--json", help="write the rows as JSON here")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     bad = set(kinds) - set(KINDS)
-    if bad or args.per_kind < 1 or args.cells < 2:
+    if bad or args.per_kind < 1 or args.cells < 2 or args.ranks_per_cell < 1:
         p.error(f"--kinds must be among {KINDS} (got {sorted(bad)}), --per-kind >= 1, "
-                f"--cells >= 2")
+                f"--cells >= 2, --ranks-per-cell >= 1")
     root = tempfile.mkdtemp(prefix="rxf", dir="/tmp")
     os.environ.setdefault("RAY_TMPDIR", root)
-    config = make_config(root, cells=args.cells, steps=args.steps, seed=args.seed)
+    config = make_config(root, cells=args.cells, steps=args.steps, seed=args.seed,
+                         ranks_per_cell=args.ranks_per_cell)
     cluster = LocalCluster(args.cells)
     rows = []
     try:

@@ -4,11 +4,12 @@ CPU (``--device cpu``, in CI so the script cannot rot).
 | stage          | cuda                                          | cpu                              |
 |----------------|-----------------------------------------------|----------------------------------|
 | engine         | vLLM GPU engine(s) serving agent runs          | EngineSet of 2 HF engines        |
-| sleep_wake     | vLLM sleep(level=1) / wake_up                  | HF engine sleep / wake           |
-| weight_reload  | Learner step, then weights into the engines    | same (s/GB reported)             |
+| sleep_wake     | vLLM sleep(level=1) / wake_up (real sleep mode)| HF engine sleep / wake           |
+| weight_reload  | engines asleep, Learner step, weights in, wake | same (s/GB reported)             |
 | tree_step      | tree batch with flex_attention vs per-traj.    | xlong_tree vs per-trajectory     |
-| fsdp_step      | FSDP2 sharded cell over the visible GPUs (NCCL)| 2-rank cell (gloo)               |
-| elastic_2cell  | 2 cells, the second joins mid-step             | same; weights vs fsdp_step's     |
+| fsdp_step      | FSDP2 cell, a rank per visible GPU (NCCL, bf16)| 2-rank cell (gloo)               |
+| elastic_2cell  | 2 one-rank cells time-sharing GPU 0, the second| same; weights vs fsdp_step's     |
+|                | joins mid-step                                 |                                  |
 
 Each stage runs even when an earlier one failed (its error goes in the table); the exit code is
 1 when any failed. Nothing here has run on a GPU yet (no GPU machine was available to the
@@ -92,13 +93,23 @@ def stage_sleep_wake(ctx: Ctx) -> dict:
         await ctx.engines.wake_up()
         return t1 - t0, time.perf_counter() - t1
     sleep_s, wake_s = asyncio.run(go())
-    return {"seconds": sleep_s + wake_s, "sleep_s": sleep_s, "wake_s": wake_s}
+    out = {"seconds": sleep_s + wake_s, "sleep_s": sleep_s, "wake_s": wake_s}
+    if ctx.device == "cuda":   # a real vLLM sleep, not the CPU fallback (shutdown / rebuild)
+        out["vllm_sleep_mode"] = all(e._sleep_mode for e in ctx.engines.engines)
+        if not out["vllm_sleep_mode"]:
+            raise RuntimeError("vLLM fell back to shutdown/rebuild: sleep mode not available")
+    return out
 
 
 def stage_weight_reload(ctx: Ctx) -> dict:
+    """Colocated order: engines asleep, a Learner step on the freed device, the new weights
+    sent while asleep, loaded at wake-up; then the engines serve a run."""
+    from ray_xlong.rollout import HarnessConfig, Harness, load_chat_format
+    from ray_xlong.rollout.tasks import make_task
     from ray_xlong.trajectory.accumulate import accumulate_loss
     from ray_xlong.trajectory.packing import micro_batches
 
+    asyncio.run(ctx.engines.sleep())
     model = load_model(ctx.model_dir).to(ctx.device).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     packed = TrajectoryProcessor(ProcessorConfig()).process(runs_for(ctx, 1)).packed
@@ -107,12 +118,21 @@ def stage_weight_reload(ctx: Ctx) -> dict:
     opt.step()
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     gb = sum(v.numel() * v.element_size() for v in sd.values()) / 1e9
-    t0 = time.perf_counter()
-    asyncio.run(ctx.engines.update_weights(sd, version=1))
-    seconds = time.perf_counter() - t0
+
+    async def reload() -> float:
+        t0 = time.perf_counter()
+        await ctx.engines.update_weights(sd, version=1)
+        await ctx.engines.wake_up()
+        return time.perf_counter() - t0
+    seconds = asyncio.run(reload())
+    del model, opt
     assert ctx.engines.policy_version == 1
+    harness = Harness(ctx.engines, load_chat_format(ctx.model_dir),
+                      config=HarnessConfig(max_new_tokens=8, max_calls=2))
+    served = asyncio.run(harness.run_many([make_task("arithmetic", seed=ctx.seed)],
+                                          run_ids=["after-reload"], group_ids=["g"]))
     return {"seconds": seconds, "gb": gb, "s_per_gb": seconds / gb,
-            "engines": len(ctx.engines.engines)}
+            "engines": len(ctx.engines.engines), "runs_after": len(served)}
 
 
 def stage_tree_step(ctx: Ctx) -> dict:
@@ -171,7 +191,7 @@ def stage_elastic_2cell(ctx: Ctx) -> dict:
     if ctx.device == "cuda":   # two 1-rank cells sharing the first GPU (half each)
         if ctx.weights:
             ctx.weights["cell"].kill()
-        first, second = _cell(ctx, 1, gpu_share=0.5), _cell(ctx, 1, gpu_share=0.5)
+        first, second = _cell(ctx, 1, one_gpu=True), _cell(ctx, 1, one_gpu=True)
     else:
         first = ctx.weights["cell"] if ctx.weights else _cell(ctx, 1)
         second = _cell(ctx, 1)
@@ -217,24 +237,34 @@ def _plan(runs: list) -> tuple[list, list]:
     return micro, [payload]
 
 
-def _cell(ctx: Ctx, ranks: int, *, gpu_share: float | None = None):
+def _cell(ctx: Ctx, ranks: int, *, one_gpu: bool = False):
+    """A sharded cell of ``ranks`` ranks (CUDA: ranks pinned to the visible GPUs, or all to the
+    first one with ``one_gpu`` — two 1-rank cells time-share it as colocated cells do)."""
     import ray
-
-    from ray_xlong.rllib.episodes import processed_runs
 
     from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.cells.sharded import start_sharded_cell
     from ray_xlong.cells.sharding import ShardingSettings
+    from ray_xlong.rllib.learner import ConnectorBatches, learner_config
 
+    settings = LearnerSettings(model_dir=ctx.model_dir, lr=1e-3)
     sharding = ShardingSettings(ranks_per_cell=ranks, device=ctx.device,
                                 mixed_precision="bf16" if ctx.device == "cuda" else None)
-    cell = start_sharded_cell(pg=None, settings=LearnerSettings(model_dir=ctx.model_dir,
-                                                                lr=1e-3), sharding=sharding,
-                              nodes_per_cell=1, gpus_per_node=ranks if ctx.device == "cuda"
-                              else 0, gpus_per_rank=gpu_share, processor=CELL_PROC,
-                              runs_of=processed_runs)
+    ids = _visible_gpus()[:1 if one_gpu else ranks] if ctx.device == "cuda" else []
+    cell = start_sharded_cell(pg=None, settings=settings, sharding=sharding, nodes_per_cell=1,
+                              gpus_per_node=len(ids), bundle0_gpu_ids=ids,
+                              batch_of=ConnectorBatches(learner_config(settings,
+                                                                       processor=CELL_PROC)[0]))
     ray.get(cell.build.remote())
     return cell
+
+
+def _visible_gpus() -> list[str]:
+    """This process's CUDA devices as ``CUDA_VISIBLE_DEVICES`` names them."""
+    import os
+
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
 
 
 def _to(micro, device: str):
@@ -261,9 +291,13 @@ def run(device: str, seed: int) -> dict:
 
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check --device cuda: torch sees no CUDA device")
+    import os
+
     torch.manual_seed(seed)
-    ctx = Ctx(device, seed, str(build_tiny_model_dir(tempfile.mkdtemp(prefix="gpu_check_"),
-                                                     seed=seed)))
+    root = tempfile.mkdtemp(prefix="gpu_check_")
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"):
+        os.environ.setdefault(var, os.path.join(root, var.lower()))   # no cache in $HOME
+    ctx = Ctx(device, seed, str(build_tiny_model_dir(os.path.join(root, "model"), seed=seed)))
     ray.init(num_cpus=2 if device == "cpu" else None, include_dashboard=False,
              object_store_memory=300 * 1024 ** 2 if device == "cpu" else None)
     results = {}

@@ -1,7 +1,7 @@
 """The three modes on real Ray cells, side by side with the simulator on the same workload.
 
     python benchmarks/modes_ray.py --seed 0 [--quick | --smoke | --size paper8] \
-        [--json out.json] [--plot-dir plots/] [--address auto]
+        [--json out.json] [--plot-dir plots/] [--address auto] [--ranks-per-cell 2]
 
 ``--size paper8``: 8 cells on one machine (logical GPUs), the paper-2.4t run-length
 distribution compressed from hours to seconds (median 5 s, 61% of runs >= 4 s, cut at 6 s),
@@ -20,6 +20,7 @@ blocks the Ray driver (``CostConfig.finish_blocks``). The logic lives in
 markdown table and writes JSON shaped ``{"modes": {mode: {"makespan_s", "sim_makespan_s",
 "vs_elastic", "gpu_busy_frac", ...}}, "lower_bound_s", "calibration", ...}`` and one timeline
 PNG per mode (Ray above, simulator below: one plotting function for both logs).
+``--ranks-per-cell 2``: every training cell's Learner is 2 FSDP2 ranks (gloo on CPU).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", nargs="+", default=None,
                    help=f"default {' '.join(MODES)} ({' '.join(PAPER8_MODES)} for paper8)")
     p.add_argument("--address", default=None, help="Ray cluster to join (e.g. auto)")
+    p.add_argument("--ranks-per-cell", type=int, default=1,
+                   help="Learner ranks per training cell (FSDP2; gloo on CPU)")
     p.add_argument("--json", type=pathlib.Path)
     p.add_argument("--plot-dir", type=pathlib.Path)
     args = p.parse_args(argv)
@@ -51,7 +54,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     from ray_xlong.sim.timeline import plot_timelines
 
-    run = run_comparison(size=size_name, seed=args.seed, modes=modes, address=args.address)
+    if args.ranks_per_cell < 1:
+        p.error("--ranks-per-cell must be >= 1")
+    run = run_comparison(size=size_name, seed=args.seed, modes=modes, address=args.address,
+                         ranks_per_cell=args.ranks_per_cell)
     out = run.summary
     print(f"modes_ray ({size_name}, seed {args.seed}): {out['cells']} cells, job {out['job']}, "
           f"lower bound {out['lower_bound_s']:.2f} s, cells up in {out['cells_startup_s']:.1f} s")

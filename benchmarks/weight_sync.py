@@ -5,12 +5,15 @@ receiver actors (engines of rollout cells) must each end up holding it::
 
     object_store   ray.put once on the sender, every receiver ray.get's it (today's CPU path)
     gloo_buckets   cells/weight_sync.py: bucket plan, one broadcast per bucket over a gloo
-                   group of sender + receivers (built once, not timed; NCCL is the GPU path)
+                   group of sender + receivers (built once, not timed)
+    nccl_buckets   (``--device cuda``) the same over NCCL, one GPU per peer (needs engines + 1
+                   GPUs: NCCL refuses two ranks on one device); unverified, no GPU here
 
 Interleaved per repeat, median reported; the machine is shared, read the ratio.
 
     python benchmarks/weight_sync.py --seed 0 --mb 256 --engines 2 --json out.json
     python benchmarks/weight_sync.py --smoke
+    python benchmarks/weight_sync.py --device cuda --mb 1024 --engines 1
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from ray_xlong.cells.weight_sync import bucket_plan, receive, send
 class Peer:
     """Sender (rank 0) or receiver of the weights."""
 
-    def __init__(self, *, seed: int, mb: float, rank: int) -> None:
+    def __init__(self, *, seed: int, mb: float, rank: int, device: str = "cpu") -> None:
         gen = torch.Generator().manual_seed(seed)
         n = int(mb * 1e6 / 4 / 8)
-        self.sd = {f"layer{i}.weight": torch.randn(n, generator=gen) for i in range(8)}
+        self.device = device
+        self.sd = {f"layer{i}.weight": torch.randn(n, generator=gen).to(device)
+                   for i in range(8)}
         self.rank = rank
 
     def address(self) -> tuple[str, int]:
@@ -43,7 +48,10 @@ class Peer:
     def join(self, addr: str, port: int, world: int) -> int:
         from ray.train.torch.config import _setup_torch_process_group
 
-        _setup_torch_process_group("gloo", self.rank, world, f"tcp://{addr}:{port}", 120)
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        if self.device == "cuda":
+            torch.cuda.set_device(0)
+        _setup_torch_process_group(backend, self.rank, world, f"tcp://{addr}:{port}", 120)
         return self.rank
 
     def put(self) -> list:
@@ -56,21 +64,26 @@ class Peer:
     def bcast(self, bucket_mb: float) -> float:
         plan = bucket_plan(self.sd, bucket_mb=bucket_mb)
         if self.rank == 0:
-            send(self.sd, plan)
+            send(self.sd, plan, device=self.device)
             return float(next(iter(self.sd.values()))[0])
         got = {}
-        for part in receive(plan):
+        for part in receive(plan, device=self.device):
             got.update(part)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
         return float(next(iter(got.values()))[0])
 
 
-def bench(*, seed: int, mb: float, engines: int, repeats: int, bucket_mb: float) -> dict:
-    peers = [ray.remote(Peer).options(num_cpus=0).remote(seed=seed, mb=mb, rank=r)
-             for r in range(engines + 1)]
+def bench(*, seed: int, mb: float, engines: int, repeats: int, bucket_mb: float,
+          device: str = "cpu") -> dict:
+    gpus = 1 if device == "cuda" else 0
+    peers = [ray.remote(Peer).options(num_cpus=0, num_gpus=gpus).remote(
+        seed=seed, mb=mb, rank=r, device=device) for r in range(engines + 1)]
+    buckets = "nccl_buckets" if device == "cuda" else "gloo_buckets"
     addr, port = ray.get(peers[0].address.remote())
     ray.get([p.join.remote(addr, port, len(peers)) for p in peers])
     gb = mb / 1e3
-    samples: dict[str, list[float]] = {"object_store": [], "gloo_buckets": []}
+    samples: dict[str, list[float]] = {"object_store": [], buckets: []}
     for _ in range(repeats):
         t0 = time.perf_counter()
         refs = ray.get(peers[0].put.remote())
@@ -78,11 +91,11 @@ def bench(*, seed: int, mb: float, engines: int, repeats: int, bucket_mb: float)
         samples["object_store"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         firsts2 = ray.get([p.bcast.remote(bucket_mb) for p in peers])
-        samples["gloo_buckets"].append(time.perf_counter() - t0)
+        samples[buckets].append(time.perf_counter() - t0)
         assert len(set(firsts)) == 1 and len(set(firsts2)) == 1 and firsts[0] == firsts2[0]
         del refs
     out = {"mb": mb, "engines": engines, "bucket_mb": bucket_mb, "repeats": repeats,
-           "schemes": {}}
+           "device": device, "schemes": {}}
     for name, t in samples.items():
         s = statistics.median(t)
         out["schemes"][name] = {"seconds": s, "s_per_gb": s / gb,
@@ -114,14 +127,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: NCCL broadcast, one GPU per peer")
     args = parser.parse_args(argv)
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, object_store_memory=800 * 1024 ** 2, include_dashboard=False)
+        ray.init(num_cpus=2 if args.device == "cpu" else None,
+                 object_store_memory=800 * 1024 ** 2, include_dashboard=False)
     try:
         result = bench(seed=args.seed, mb=4.0 if args.smoke else args.mb,
                        engines=args.engines, repeats=1 if args.smoke else args.repeats,
-                       bucket_mb=1.0 if args.smoke else args.bucket_mb)
+                       bucket_mb=1.0 if args.smoke else args.bucket_mb, device=args.device)
     finally:
         if started:
             ray.shutdown()

@@ -10,9 +10,13 @@ Which classes the runner and the learner are is not this module's business: a
 :class:`CellActors` names them (the RLlib adapter's ``CellRunner`` / ``XLongLearner``, see
 ``ray_xlong.rllib.cell_actors``), so the runtime needs no RLlib.
 
-Both actors of a cell share bundle 0 (half its CPUs each; the runner takes the logical GPUs).
+Both actors of a cell share bundle 0 (half its CPUs each; the runner takes the bundle's GPUs).
 The Learner never asks for "GPU" on a host without CUDA (RLlib's NCCL path fails on logical
-GPUs): it takes CPU from the bundle, or ``learner_resource`` when one is configured. A role
+GPUs): it takes CPU from the bundle, or ``learner_resource`` when one is configured. With
+``ShardingSettings.device='cuda'`` the learner is a ``ShardedCell`` (NCCL, one CUDA device a
+rank: ``sharding.rank_placements``); :func:`create_cells` first probes bundle 0 of every cell
+with a task holding its GPUs: no CUDA device there (logical GPUs) is a ``ShardingError`` naming
+the field before any actor starts. A role
 switch sleeps one actor and wakes the other; placement groups are never created after
 :func:`create_cells` (``CellPool.placement_groups_created`` counts them).
 
@@ -31,7 +35,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_xlong.cells.sharded import kill, start_sharded_cell
-from ray_xlong.trajectory.processor import ProcessorConfig
+from ray_xlong.cells.sharding import ShardingError
 
 
 STRATEGIES = ("STRICT_SPREAD", "PACK", "SPREAD", "STRICT_PACK")
@@ -133,12 +137,17 @@ class CellActors:
     learner_settings: Any = None
     """``LearnerSettings`` of a sharded learner (with ``sharding``)."""
     sharding: Any = None
-    """``ShardingSettings``: with ``ranks_per_cell`` > 1 a cell's learner is a
-    ``sharded.ShardedCell`` of ranks over its bundles instead of ``learner_class``."""
-    processor: ProcessorConfig = ProcessorConfig()
-    """The processor configuration a sharded learner packs its micro-batches with."""
-    runs_of: Any = None
-    """A sharded learner's payload reader (``sharded.start_sharded_cell``)."""
+    """``ShardingSettings``: with ``ranks_per_cell`` > 1 or ``device='cuda'`` a cell's learner
+    is a ``sharded.ShardedCell`` of ranks over its bundles instead of ``learner_class``."""
+    batch_of: Any = None
+    """A sharded learner's Learner connector pipeline (``sharded.BatchOf``; the same pieces
+    ``learner_class`` runs)."""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether a cell's learner is a ``ShardedCell``."""
+        return self.sharding is not None and (self.sharding.ranks_per_cell > 1
+                                              or self.sharding.device == "cuda")
 
 
 @dataclasses.dataclass(slots=True)
@@ -250,8 +259,11 @@ def create_cells(layout: CellLayout, *, actors: CellActors,
         raise LayoutError(f"CellLayout: {layout.cells} placement groups of "
                           f"{layout.nodes_per_cell} × {layout.bundle()} not placed within "
                           f"{ready_timeout_s:g} s") from None
+    gpu_ids = _probe_cuda(pgs, layout) if actors.sharded and actors.sharding.device == "cuda" \
+        else [() for _ in pgs]
+
     def spawn(index: int, pg: Any, which: str) -> Any:
-        return _start_actor(index, pg, which, layout, actors)
+        return _start_actor(index, pg, which, layout, actors, gpu_ids[index])
 
     cells = [Cell(c, pg, spawn(c, pg, "runner"), spawn(c, pg, "learner"))
              for c, pg in enumerate(pgs)]
@@ -263,8 +275,32 @@ def create_cells(layout: CellLayout, *, actors: CellActors,
     return pool
 
 
+def _probe_cuda(pgs: Sequence[Any], layout: CellLayout) -> list[tuple[str, ...]]:
+    """Bundle 0's Ray GPU ids of every cell, from a task holding them; removes the placement
+    groups and raises when that task sees no CUDA device (logical GPUs)."""
+    on = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0) for pg in pgs]
+    probes = ray.get([_bundle_gpus.options(num_gpus=layout.gpus_per_node,
+                                           scheduling_strategy=s).remote() for s in on])
+    for cell, (ids, count) in enumerate(probes):
+        if count < len(ids) or not ids:
+            for pg in pgs:
+                remove_placement_group(pg)
+            raise ShardingError(
+                f"ShardingSettings.device='cuda' but cell {cell}'s bundle 0 holds Ray GPUs {ids}"
+                f" and torch sees {count} CUDA devices there (logical GPUs?): use device='cpu'")
+    return [tuple(ids) for ids, _ in probes]
+
+
+@ray.remote(num_cpus=0)
+def _bundle_gpus() -> tuple[list[str], int]:
+    """(Ray GPU ids this task holds, CUDA devices torch sees)."""
+    import torch
+
+    return [str(i) for i in ray.get_gpu_ids()], torch.cuda.device_count()
+
+
 def _start_actor(index: int, pg: Any, which: str, layout: CellLayout,
-                 actors: CellActors) -> Any:
+                 actors: CellActors, gpu_ids: Sequence[str] = ()) -> Any:
     """Start cell ``index``'s runner or learner on bundle 0 of ``pg`` (not waiting for it)."""
     on_cell = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
     half = layout.cpus_per_bundle / 2
@@ -272,11 +308,11 @@ def _start_actor(index: int, pg: Any, which: str, layout: CellLayout,
         return ray.remote(concurrency_groups={"poll": 1})(actors.runner_class).options(
             num_cpus=half, num_gpus=layout.gpus_per_node, scheduling_strategy=on_cell).remote(
                 cell=index, **actors.runner_kwargs)
-    if actors.sharding is not None and actors.sharding.ranks_per_cell > 1:
+    if actors.sharded:
         return start_sharded_cell(pg=pg, settings=actors.learner_settings,
                                   sharding=actors.sharding, nodes_per_cell=layout.nodes_per_cell,
-                                  gpus_per_node=layout.gpus_per_node,
-                                  processor=actors.processor, runs_of=actors.runs_of)
+                                  gpus_per_node=layout.gpus_per_node, bundle0_gpu_ids=gpu_ids,
+                                  batch_of=actors.batch_of)
     extra = {} if layout.learner_resource == "CPU" else {layout.learner_resource: 1.0}
     return ray.remote(actors.learner_class).options(
         num_cpus=half if not extra else 0, num_gpus=0, resources=extra,

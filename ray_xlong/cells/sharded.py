@@ -5,20 +5,24 @@ ShardedCell (driver-side handle; answers the learner calls ElasticLearnerGroup m
   rank 0 … R-1 = LearnerRank actors, one per bundle (per GPU on CUDA), in the cell's PG
   setup:       rank 0's address ─► init_process_group(gloo | nccl) on every rank (Ray Train's
                torch backend helpers) ─► load model ─► fully_shard(each decoder layer, root)
-  accumulate_runs: every rank reads the micro-batch's processed runs from the payloads (the
-               ``runs_of`` reader handed in) and packs them (``per_run.pack_runs``), then
+  accumulate_runs: every rank runs the micro-batch's episodes through the Learner connector
+               pipeline the single Learner runs (the user's pieces, then PrefixTreeConnector:
+               the ``batch_of`` callable the RLlib adapter hands in), then
   accumulate:  every rank takes rows r ≡ rank (mod R) of the micro-batch (a rank without rows
                runs row 0 with zero loss scale: FSDP needs every rank in every collective);
                reduce-scatter SUMS (divide factor 1) into each rank's gradient shard
   take_gradients: all-gather the full gradient; rank 0's copy is the cell's
   apply_step:  Σ parts / total, each rank keeps its shard (no communication), Adam on shards
   state:       full (unsharded) weights + optimizer state, rank 0's copy (DCP state_dict)
+placement:     ``sharding.rank_placements`` (CUDA: one device per rank, NCCL; CPU: gloo, no GPU
+               asked for, so logical GPUs never lead to NCCL)
 ```
 
 Across cells nothing changes: a cell's gradient is one ``{name: tensor}`` like a single
 Learner's, so the elastic reduction and its membership invariance hold (DESIGN.md 7). Every
 call goes to every rank in the same order (the collectives match); the handle returns rank 0's
-ref, or a ref that fails when any rank failed.
+ref, or a ref that fails as soon as any rank failed (a rank lost mid-step fails the cell's
+call at once, not after the survivors' collective times out).
 """
 
 from __future__ import annotations
@@ -28,26 +32,26 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import ray
 import torch
 
-from ray_xlong.cells.sharding import ShardingSettings, ranks_per_bundle
+from ray_xlong.cells.sharding import ShardingError, ShardingSettings, rank_placements
 from ray_xlong.trajectory.loss import policy_loss
 from ray_xlong.trajectory.model import token_logprobs
 from ray_xlong.trajectory.packing import PackedBatch, _take_rows
-from ray_xlong.trajectory.per_run import pack_runs
-from ray_xlong.trajectory.processor import ProcessorConfig
 
 if TYPE_CHECKING:  # config.py imports pool.py, which imports this module
     from ray_xlong.cells.config import LearnerSettings
+
+BatchOf = Callable[[Sequence[str], Sequence[float], Sequence[Any]], Mapping[str, torch.Tensor]]
+"""``batch_of(run_ids, advantages, payloads) -> module-batch tensors``: the Learner connector
+pipeline a rank runs a micro-batch's episodes through (raises naming runs the payloads lack)."""
 
 
 class LearnerRank:
     """One rank of a sharded cell Learner (a Ray actor; see the module docstring)."""
 
     def __init__(self, *, settings: LearnerSettings, sharding: ShardingSettings, rank: int,
-                 world_size: int, processor: ProcessorConfig = ProcessorConfig(),
-                 runs_of: Callable[..., Mapping[str, Any]] | None = None) -> None:
+                 world_size: int, batch_of: BatchOf | None = None) -> None:
         """Args: see :func:`start_sharded_cell` (``rank`` of ``world_size``)."""
-        self.settings, self.sharding = settings, sharding
-        self.processor, self.runs_of = processor, runs_of
+        self.settings, self.sharding, self.batch_of = settings, sharding, batch_of
         self.rank, self.world_size = rank, world_size
         self.version, self.asleep, self.micro_batches, self.tokens = 0, False, 0, 0
         self.device = torch.device("cuda", 0) if sharding.device == "cuda" else torch.device("cpu")
@@ -64,6 +68,10 @@ class LearnerRank:
         from ray.train.torch.config import _setup_torch_process_group
 
         if self.device.type == "cuda":
+            if not torch.cuda.is_available():   # logical GPUs only: never try NCCL
+                raise ShardingError(f"ShardingSettings.device='cuda' but rank {self.rank} sees no "
+                                    f"CUDA device (torch.cuda.is_available() is False): use "
+                                    f"device='cpu' on hosts without CUDA")
             torch.cuda.set_device(self.device)
         _setup_torch_process_group(backend=self.sharding.backend, world_rank=self.rank,
                                    world_size=self.world_size, init_method=f"tcp://{addr}:{port}",
@@ -81,31 +89,20 @@ class LearnerRank:
 
     def accumulate_runs(self, run_ids: Sequence[str], advantages: Sequence[float],
                         version: int | None, *payloads: Sequence[Any]) -> int:
-        """``XLongLearner.accumulate_runs`` on this rank: pack the runs ``run_ids`` (their
-        ``ProcessedRun`` read from ``payloads`` by ``runs_of``) with their group-wide
-        ``advantages``, un-normalised, then :meth:`accumulate` this rank's rows. Returns
-        their targets."""
-        if self.runs_of is None:
-            raise RuntimeError("LearnerRank.accumulate_runs: no runs_of reader was handed in "
-                               "(start_sharded_cell(runs_of=...))")
-        wanted = dict(zip(run_ids, advantages))
-        found: dict[str, Any] = {}
-        for payload in payloads:
-            found.update(self.runs_of(payload, wanted=wanted, config=self.processor))
-        missing = sorted(set(wanted) - set(found))
-        if missing:
-            raise ValueError(f"LearnerRank.accumulate_runs: payloads lack runs {missing}")
-        batch = pack_runs([found[r] for r in run_ids], wanted, config=self.processor)
-        return self.accumulate(batch.to_tensors(), version)
+        """``XLongLearner.accumulate_runs`` on this rank: the runs ``run_ids`` (episodes in
+        ``payloads``) with their group-wide ``advantages`` go through the Learner connector
+        pipeline (``batch_of``: the user's pieces, then PrefixTreeConnector, un-normalised),
+        then :meth:`accumulate` trains this rank's rows. Returns their targets."""
+        if self.batch_of is None:
+            raise RuntimeError("LearnerRank.accumulate_runs: no batch_of pipeline was handed in "
+                               "(start_sharded_cell(batch_of=...))")
+        self._check("accumulate_runs", version)
+        return self.accumulate(self.batch_of(run_ids, advantages, payloads), version)
 
     def accumulate(self, micro_batch: Mapping[str, torch.Tensor],
                    version: int | None = None) -> int:
         """Forward + backward this rank's rows of ``micro_batch``; returns their targets."""
-        if self.asleep:
-            raise RuntimeError("LearnerRank.accumulate: the learner is asleep (wake_up first)")
-        if version is not None and version != self.version:
-            raise RuntimeError(f"LearnerRank.accumulate: rank at version {self.version}, the "
-                               f"step trains version {version} (reload its state first)")
+        self._check("accumulate", version)
         batch = PackedBatch.from_tensors(micro_batch)
         mine, targets = rank_rows(batch, rank=self.rank, world_size=self.world_size)
         mine = PackedBatch.from_tensors({k: v if k in ("run_ids", "layout") else
@@ -116,6 +113,13 @@ class LearnerRank:
         self.micro_batches += 1
         self.tokens += targets
         return targets
+
+    def _check(self, call: str, version: int | None) -> None:
+        if self.asleep:
+            raise RuntimeError(f"LearnerRank.{call}: the learner is asleep (wake_up first)")
+        if version is not None and version != self.version:
+            raise RuntimeError(f"LearnerRank.{call}: rank at version {self.version}, the step "
+                               f"trains version {version} (reload its state first)")
 
     def take_gradients(self) -> dict[str, torch.Tensor] | None:
         """The cell's summed gradient, unsharded (rank 0; None on the others), then cleared."""
@@ -199,6 +203,11 @@ class LearnerRank:
             torch.cuda.empty_cache()
         self.asleep = True
 
+    def take_step_stats(self, version: int) -> None:
+        """No per-step Learner statistics on a sharded rank yet (``collect_learner_stats``
+        leaves the cell out of the step's learner metrics)."""
+        return None
+
     def xlong_metrics(self) -> dict[str, int]:
         """This rank's micro-batches, target tokens and version."""
         return {"micro_batches": self.micro_batches, "tokens": self.tokens,
@@ -274,9 +283,14 @@ def _decoder_layers(lm: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @ray.remote(num_cpus=0)
-def _first(*values: Any) -> Any:
-    """Rank 0's value once every rank's call succeeded (a failed rank fails this ref)."""
-    return values[0]
+def _first(refs: list[Any]) -> Any:
+    """Rank 0's value once every rank's call succeeded; fails with the first rank that fails,
+    as soon as it fails (the refs arrive in a list, so Ray does not wait for all of them)."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done[0])
+    return ray.get(refs[0])
 
 
 class _Method:
@@ -287,7 +301,7 @@ class _Method:
 
     def remote(self, *args: Any) -> Any:
         refs = [getattr(r, self.name).remote(*args) for r in self.ranks]
-        return _first.remote(*refs) if self.wait_all else refs[0]
+        return _first.remote(refs) if self.wait_all else refs[0]
 
 
 class ShardedCell:
@@ -299,7 +313,7 @@ class ShardedCell:
 
     _RANK0 = ("take_gradients", "get_weights", "get_xlong_state")
     _ALL = ("accumulate", "accumulate_runs", "apply_step", "set_xlong_state", "wake_up",
-            "sleep", "build", "xlong_metrics", "__ray_ready__")
+            "sleep", "build", "xlong_metrics", "take_step_stats", "__ray_ready__")
 
     def __init__(self, ranks: Sequence[Any]) -> None:
         self.ranks = list(ranks)
@@ -327,35 +341,35 @@ def kill(actor: Any) -> None:
 
 def start_sharded_cell(*, pg: Any, settings: LearnerSettings, sharding: ShardingSettings,
                        nodes_per_cell: int, gpus_per_node: int,
+                       bundle0_gpu_ids: Sequence[str] = (),
                        cpus_per_rank: float = 0.0,
-                       gpus_per_rank: float | None = None,
-                       processor: ProcessorConfig = ProcessorConfig(),
-                       runs_of: Callable[..., Mapping[str, Any]] | None = None) -> ShardedCell:
+                       batch_of: BatchOf | None = None) -> ShardedCell:
     """Start ``sharding.ranks_per_cell`` ranks on the bundles of ``pg`` (the same number on
-    each; whole GPUs each on CUDA unless ``gpus_per_rank`` sets a share: cells of one rank
-    may share a GPU, ranks of one NCCL group may not), form their process group and shard the
+    each, placed by ``sharding.rank_placements``: on CUDA one device per rank, bundle 0's ranks
+    on the GPUs ``bundle0_gpu_ids`` its runner holds), form their process group and shard the
     model. Returns at once: ``handle.build.remote()`` resolves when every rank is set up.
-    ``runs_of(payload, wanted=run ids, config=processor)`` → ``{run id: ProcessedRun}`` reads
-    a payload for ``accumulate_runs`` (the RLlib adapter hands in
-    ``rllib.episodes.processed_runs``: this package imports no RLlib); ``processor`` packs.
+    ``batch_of(run_ids, advantages, payloads)`` → module-batch tensors is the Learner connector
+    pipeline ``accumulate_runs`` runs (the RLlib adapter hands in
+    ``rllib.learner.ConnectorBatches``: this package imports no RLlib).
 
     Raises:
-        ShardingError: the layout cannot host the ranks (``sharding.ranks_per_bundle``).
+        ShardingError: the layout cannot host the ranks (``sharding.rank_placements``).
     """
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    per = ranks_per_bundle(sharding, nodes_per_cell=nodes_per_cell, gpus_per_node=gpus_per_node)
-    gpus = gpus_per_node // per if sharding.device == "cuda" else 0
-    if gpus_per_rank is not None and sharding.device == "cuda":
-        gpus = gpus_per_rank
     world = sharding.ranks_per_cell
-    ranks = [ray.remote(LearnerRank).options(
-        num_cpus=cpus_per_rank, num_gpus=gpus,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=rank // per) if pg is not None else "DEFAULT",
-    ).remote(settings=settings, sharding=sharding, rank=rank, world_size=world,
-             processor=processor, runs_of=runs_of)
-        for rank in range(world)]
+    places = rank_placements(sharding, nodes_per_cell=nodes_per_cell,
+                             gpus_per_node=gpus_per_node, bundle0_gpu_ids=bundle0_gpu_ids)
+    ranks = []
+    for p in places:
+        env = {} if p.visible_devices is None else {
+            "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": p.visible_devices}}}
+        ranks.append(ray.remote(LearnerRank).options(
+            num_cpus=cpus_per_rank, num_gpus=p.num_gpus, **env,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=p.bundle) if pg is not None else "DEFAULT",
+        ).remote(settings=settings, sharding=sharding, rank=p.rank, world_size=world,
+                 batch_of=batch_of))
     addr, port = ray.get(ranks[0].address.remote())
     setups = [r.setup.remote(addr, port) for r in ranks]
     cell = ShardedCell(ranks)

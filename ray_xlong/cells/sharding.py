@@ -8,6 +8,19 @@ training cell = placement group of nodes_per_cell bundles
               per training stint (membership inside a cell is fixed while it trains)
 ```
 
+GPU placement (``rank_placements``, device ``cuda``): every rank drives one CUDA device, and a
+rollout cell's engines and its Learner ranks time-share the same GPUs (the runner sleeps its
+engines while the cell trains)::
+
+  bundle 0   the runner holds the bundle's GPUs in Ray's accounting (its engines use them);
+             its ranks ask Ray for none and are pinned to those GPUs by CUDA_VISIBLE_DEVICES
+             (rank l of the bundle → the bundle's GPU l · gpus_per_node / ranks per bundle)
+  bundle b>0 no runner there: each rank asks Ray for one whole GPU (Ray pins it)
+
+Ray does not touch ``CUDA_VISIBLE_DEVICES`` of an actor that asks for no GPU (Ray 2.60), so the
+pin set through the rank's ``runtime_env`` holds. On CPU no rank asks for a GPU (a learner that
+asks for logical GPUs would try NCCL) and the group is gloo.
+
 The checks name the field and the numbers: CUDA asked for on bundles without GPUs, a rank count
 that does not split over the cell's bundles / GPUs, a model whose training state (weights,
 gradients, Adam moments) does not fit the cell's ranks. Pure: no ray, no CUDA calls.
@@ -16,6 +29,7 @@ gradients, Adam moments) does not fit the cell's ranks. Pure: no ray, no CUDA ca
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 DEVICES = ("cpu", "cuda")
 """``ShardingSettings.device`` values."""
@@ -101,6 +115,52 @@ def ranks_per_bundle(settings: ShardingSettings, *, nodes_per_cell: int,
                             f"{per} ranks on a bundle of CellLayout.gpus_per_node={gpus_per_node}"
                             f" GPUs (needs a divisor of it: whole GPUs per rank)")
     return per
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankPlacement:
+    """Where one Learner rank of a cell runs and what it asks Ray for."""
+
+    rank: int
+    """The rank in the cell's process group."""
+    bundle: int
+    """The cell's bundle (placement group bundle index) it runs in."""
+    num_gpus: float
+    """GPUs it asks Ray for (0 on CPU, and on bundle 0, whose GPUs the runner holds)."""
+    visible_devices: str | None
+    """``CUDA_VISIBLE_DEVICES`` it is started with (None: Ray's or the node's own)."""
+
+
+def rank_placements(settings: ShardingSettings, *, nodes_per_cell: int, gpus_per_node: int,
+                    bundle0_gpu_ids: Sequence[str] = ()) -> list[RankPlacement]:
+    """Every rank's :class:`RankPlacement` (pure; the module docstring draws the layout).
+
+    Args:
+        settings: the cell's ranks and device.
+        nodes_per_cell, gpus_per_node: the cell's ``CellLayout``.
+        bundle0_gpu_ids: the Ray GPU ids of the cell's bundle 0 (what the runner holds; needed
+            on CUDA: the ranks there are pinned to them).
+
+    Raises:
+        ShardingError: the layout cannot host the ranks (:func:`ranks_per_bundle`), or on CUDA
+            ``bundle0_gpu_ids`` does not list the bundle's ``gpus_per_node`` GPUs.
+    """
+    per = ranks_per_bundle(settings, nodes_per_cell=nodes_per_cell, gpus_per_node=gpus_per_node)
+    cuda = settings.device == "cuda"
+    if cuda and len(bundle0_gpu_ids) != gpus_per_node:
+        raise ShardingError(f"ShardingSettings.device='cuda': bundle 0 of the cell holds GPUs "
+                            f"{list(bundle0_gpu_ids)}, CellLayout.gpus_per_node={gpus_per_node}")
+    stride = gpus_per_node // per if cuda else 0
+    out = []
+    for rank in range(settings.ranks_per_cell):
+        bundle, local = divmod(rank, per)
+        if not cuda:
+            out.append(RankPlacement(rank, bundle, 0.0, None))
+        elif bundle == 0:
+            out.append(RankPlacement(rank, 0, 0.0, str(bundle0_gpu_ids[local * stride])))
+        else:
+            out.append(RankPlacement(rank, bundle, 1.0, None))
+    return out
 
 
 def check_model_fits(settings: ShardingSettings, *, num_params: int) -> float:

@@ -23,8 +23,8 @@ from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.cells.pool import CellActors
 from ray_xlong.cells.spool import RunSpool
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
-from ray_xlong.rllib.episodes import processed_runs, run_to_episode
-from ray_xlong.rllib.learner import XLongLearner, learner_config
+from ray_xlong.rllib.episodes import run_to_episode
+from ray_xlong.rllib.learner import ConnectorBatches, XLongLearner, learner_config
 from ray_xlong.rollout.run_stats import run_stats
 from ray_xlong.rollout.tasks import TASKS, TaskFactory, register_task
 from ray_xlong.trajectory import ProcessorConfig
@@ -136,7 +136,8 @@ def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
     ``processor``; ``tasks`` registered in it; ended runs spooled to ``spool_dir`` when given)
     and the learner (:class:`XLongLearner` on ``learner``, seeded; its Learner connector
     pipeline runs the user's ``learner_connector`` pieces, then ``PrefixTreeConnector``). With
-    ``sharding`` of more than one rank a cell's learner is a set of ranks instead."""
+    ``sharding`` of more than one rank (or on CUDA) a cell's learner is a set of ranks instead,
+    running the same pipeline (:class:`ConnectorBatches`)."""
     from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 
     config, spec = learner_config(learner, seed=seed, processor=processor,
@@ -148,5 +149,4 @@ def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
                        "processor": processor},
         learner_class=XLongLearner,
         learner_kwargs={"config": config, "module_spec": spec},
-        learner_settings=learner, sharding=sharding, processor=processor,
-        runs_of=processed_runs)
+        learner_settings=learner, sharding=sharding, batch_of=ConnectorBatches(config))

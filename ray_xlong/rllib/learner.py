@@ -135,15 +135,10 @@ class XLongLearner(TorchLearner):
                 resolves the refs; episodes of other runs are ignored).
         """
         self._check_version("accumulate_runs", version)
-        wanted = dict(zip(run_ids, advantages))
-        episodes = {e.id_: e for p in payloads for e in p if e.id_ in wanted}
-        missing = sorted(set(wanted) - set(episodes))
-        if missing:
-            raise ValueError(f"XLongLearner.accumulate_runs: payloads lack runs {missing}")
-        batch = self._learner_connector(
-            rl_module=self.module, batch={}, episodes=[episodes[r] for r in run_ids],
-            shared_data={ADVANTAGES_KEY: wanted}, metrics=self.metrics)
-        return self._train(PackedBatch.from_tensors(batch[DEFAULT_MODULE_ID]))
+        batch = run_pipeline(self._learner_connector, run_ids, advantages, payloads,
+                             rl_module=self.module, metrics=self.metrics,
+                             who="XLongLearner.accumulate_runs")
+        return self._train(PackedBatch.from_tensors(batch))
 
     def _check_version(self, call: str, version: int | None) -> None:
         if self.asleep:
@@ -247,6 +242,51 @@ class XLongLearner(TorchLearner):
         out = self.step_stats.get(version)
         self.step_stats = {v: s for v, s in self.step_stats.items() if v > version}
         return out
+
+def run_pipeline(pipeline: Any, run_ids: Sequence[str], advantages: Sequence[float],
+                 payloads: Sequence[Sequence[Any]], *, rl_module: Any, metrics: Any,
+                 who: str) -> dict[str, torch.Tensor]:
+    """One micro-batch through a Learner connector ``pipeline``: the episodes of ``run_ids``
+    (found in ``payloads``) with their ``advantages`` → the default module's batch tensors.
+
+    Raises:
+        ValueError: naming ``who`` and the runs the payloads lack.
+    """
+    wanted = dict(zip(run_ids, advantages))
+    episodes = {e.id_: e for p in payloads for e in p if e.id_ in wanted}
+    missing = sorted(set(wanted) - set(episodes))
+    if missing:
+        raise ValueError(f"{who}: payloads lack runs {missing}")
+    batch = pipeline(rl_module=rl_module, batch={}, episodes=[episodes[r] for r in run_ids],
+                     shared_data={ADVANTAGES_KEY: wanted}, metrics=metrics)
+    return batch[DEFAULT_MODULE_ID]
+
+
+class ConnectorBatches:
+    """A sharded rank's ``batch_of`` (``cells.sharded.BatchOf``): the Learner connector
+    pipeline an :class:`XLongLearner` of the same ``config`` runs — the user's pieces, then
+    ``PrefixTreeConnector`` — built once on the rank from ``config`` (as ``TorchLearner.build``
+    does). The rank holds no RLModule (its model is FSDP-sharded): pieces get
+    ``rl_module=None``; a piece that reads the module needs unsharded cells."""
+
+    def __init__(self, config: Any) -> None:
+        """Args: the ``AlgorithmConfig`` of :func:`learner_config`."""
+        self.config = config
+        self.pipeline: Any = None
+
+    def __call__(self, run_ids: Sequence[str], advantages: Sequence[float],
+                 payloads: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:
+        from ray.rllib.utils.metrics.metrics_logger import MetricsLogger
+
+        from ray_xlong.rllib.episodes import RUN_ACTION_SPACE, RUN_OBSERVATION_SPACE
+
+        if self.pipeline is None:
+            self.pipeline = self.config.build_learner_connector(RUN_OBSERVATION_SPACE,
+                                                                RUN_ACTION_SPACE)
+            self.metrics = MetricsLogger()
+        return run_pipeline(self.pipeline, run_ids, advantages, payloads, rl_module=None,
+                            metrics=self.metrics, who="LearnerRank.accumulate_runs")
+
 
 def learner_config(settings: LearnerSettings, *, seed: int = 0,
                    processor: ProcessorConfig = ProcessorConfig(),

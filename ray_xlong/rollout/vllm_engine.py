@@ -8,9 +8,12 @@ the sampled id's own), ``num_cached_tokens`` comes from each ``RequestOutput``.
 
 Weights: ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` loads an HF
 state dict in place (HF names), then ``reset_prefix_cache()`` drops KV blocks computed with
-the old weights. Sleep: ``llm.sleep(level=1)`` / ``llm.wake_up()`` where the platform supports
-it (GPUs); on CPU (vLLM rejects sleep mode there) the engine is shut down and rebuilt at wake-up
-with the latest weights.
+the old weights. Sleep (colocated cells: the Learner ranks get the GPU while the cell trains):
+on CUDA the engine is built with ``enable_sleep_mode`` and sleeps with ``llm.sleep(level=1|2)``
+(1: weights to CPU, 2: weights dropped); weights that arrive while it sleeps are kept and loaded
+at wake-up between ``wake_up(tags=["weights"])`` and ``wake_up()`` (the KV cache), so a level-2
+engine never needs its old weights. Unverified on a GPU here. On CPU (vLLM rejects sleep mode
+there) the engine is shut down and rebuilt at wake-up with the latest weights.
 
 Import this module only where vLLM is installed; caches go to ``VLLM_CACHE_ROOT``.
 """
@@ -47,7 +50,8 @@ class VLLMEngine(BatchingEngine):
 
     def __init__(self, model_dir: str | pathlib.Path, *, max_batch_size: int = 64,
                  seed: int = 0, dtype: str = "float32", max_model_len: int = 4096,
-                 kv_cache_gib: int = 1) -> None:
+                 kv_cache_gib: int = 1, sleep_level: int = 1,
+                 gpu_memory_utilization: float = 0.4) -> None:
         """Args:
             model_dir: a directory written by ``ray_xlong.models.build_tiny_model_dir``.
             max_batch_size: most requests handed to one ``llm.generate``.
@@ -55,7 +59,13 @@ class VLLMEngine(BatchingEngine):
             dtype: model dtype (``float32`` to match the HF backend's logprobs).
             max_model_len: longest context.
             kv_cache_gib: CPU KV-cache size (``VLLM_CPU_KVCACHE_SPACE``).
+            sleep_level: ``llm.sleep`` level on CUDA (1: weights offloaded to CPU, 2: dropped;
+                new weights are loaded at wake-up either way).
+            gpu_memory_utilization: vLLM's share of the GPU on CUDA (weights + KV cache); the
+                rest is the colocated Learner's while the engine is awake.
         """
+        if sleep_level not in (1, 2):
+            raise ValueError(f"VLLMEngine.sleep_level must be 1 or 2, got {sleep_level!r}")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         self.model_dir = pathlib.Path(model_dir)
@@ -66,10 +76,16 @@ class VLLMEngine(BatchingEngine):
                           # step budget; its chunked-prefill step then failed on CPU (engine
                           # hung, seen with 128 × 77-token ChatML prompts): prefill them whole
                           max_num_batched_tokens=max(16384, max_model_len))
+        if torch.cuda.is_available():
+            self._args.update(enable_sleep_mode=True,
+                              gpu_memory_utilization=gpu_memory_utilization)
+        self.sleep_level = sleep_level
         self.llm = None
         self._sleep_mode = False
         self._latest: Mapping[str, torch.Tensor] | None = None
         """The last weights loaded (reapplied when a CPU engine is rebuilt at wake-up)."""
+        self._pending = False
+        """Whether ``_latest`` arrived while asleep and is not loaded yet."""
         self._build()
         vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
         super().__init__(vocab_size=vocab, max_batch_size=max_batch_size, seed=seed)
@@ -114,14 +130,12 @@ class VLLMEngine(BatchingEngine):
         self._latest = state_dict
 
     def _stash_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        if self._sleep_mode:
-            self._load_weights(state_dict)
-        else:
-            self._latest = state_dict
+        self._latest, self._pending = state_dict, True   # loaded at wake-up
 
     def _release(self) -> None:
+        self._pending = False
         try:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.sleep_level)
             self._sleep_mode = True
             return
         except Exception:  # noqa: BLE001 - no sleep mode on this platform: rebuild at wake
@@ -131,6 +145,9 @@ class VLLMEngine(BatchingEngine):
 
     def _restore(self) -> None:
         if self._sleep_mode:
+            self.llm.wake_up(tags=["weights"])
+            if self._pending and self._latest is not None:
+                self._load_weights(self._latest)
             self.llm.wake_up()
             self.llm.reset_prefix_cache()
             return

@@ -5,7 +5,8 @@ use to kill things on purpose and check that nothing finished was lost.
 FaultInjector(plan, job, remove_node=…, restore_node=…)   actuator.injector = it
   tick(actuator)  once per driver loop: when the job's ended runs pass a seeded threshold,
                   kill a runner (one with live runs), a learner (a step member mid micro-batch
-                  when there is one) or a cell's node (cluster_utils.Cluster.remove_node), and
+                  when there is one; of a multi-rank cell, one seeded rank: a rank lost inside
+                  a sharded step) or a cell's node (cluster_utils.Cluster.remove_node), and
                   bring removed nodes back after ``node_down_s``
 audit(result, job)  from the event log and the trained-run ids: runs lost, runs trained twice,
                     steps trained, policy versions consistent, invariant violations
@@ -30,6 +31,7 @@ from typing import Any, Callable
 import ray
 
 from ray_xlong.cells.metrics import RayResult, check_invariants
+from ray_xlong.cells.sharded import ShardedCell
 from ray_xlong.cells.runs import run_key
 from ray_xlong.scheduling import SchedulingConfig
 
@@ -72,6 +74,8 @@ class Injection:
     """``runner`` | ``learner`` | ``node``."""
     cell: int
     """The victim cell."""
+    rank: int | None
+    """The Learner rank killed in a multi-rank cell (None: the whole actor)."""
     t: float
     """Job time it fired (seconds)."""
     runs_ended: int
@@ -124,6 +128,7 @@ class FaultInjector:
         """Kill one victim of ``kind``; False when there is none right now (a runner with live
         runs, a learner in the step in progress, a cell that is not the last)."""
         cells = [c for c in range(len(act.cells)) if c not in act.retired]
+        rank = None
         if kind == "runner":
             busy = act.cells_with_live_runs()
             if not busy:
@@ -132,11 +137,19 @@ class FaultInjector:
             ray.kill(act.cells[cell].runner, no_restart=True)
         elif kind == "learner":
             training = act.training_cells()  # those mid micro-batch first
-            busy = [c for c in training if c in act.in_flight] or training
+            mid = [c for c in training if c in act.in_flight]
+            if not mid and any(isinstance(act.cells[c].learner, ShardedCell) for c in training):
+                return False  # a rank is lost inside a sharded step: wait for a micro-batch
+            busy = mid or training
             if not busy:
                 return False
             cell = self.rng.choice(busy)
-            ray.kill(act.cells[cell].learner, no_restart=True)
+            learner = act.cells[cell].learner
+            if isinstance(learner, ShardedCell):
+                rank = self.rng.randrange(len(learner))
+                ray.kill(learner.ranks[rank], no_restart=True)
+            else:
+                ray.kill(learner, no_restart=True)
         else:
             if len(cells) < 2:
                 return False  # never take the last cell
@@ -154,7 +167,7 @@ class FaultInjector:
                 if token is not None:
                     self.down.append((time.monotonic() + self.plan.node_down_s, token))
         self.injected[kind] += 1
-        self.log.append(Injection(kind, cell, act.now(), act.runs_ended()))
+        self.log.append(Injection(kind, cell, rank, act.now(), act.runs_ended()))
         return True
 
     def finish(self) -> None:

@@ -62,12 +62,14 @@ SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, 
 paper's cluster shape and run-length distribution, compressed; light runners: no model)."""
 
 
-def build_config(size: dict, *, model_dir: str, seed: int):
+def build_config(size: dict, *, model_dir: str, seed: int, ranks_per_cell: int = 1):
     """The job of a size: ``task_steps`` tool calls of median ``median_s`` task seconds each,
     heavy-tailed (``latency_sigma``, default 1; ``run_sigma`` a per-run pace), a run capped at
     ``timeout_x`` (default 2.5) × task_steps × the median (wall clock); staleness ``bound``
-    (default 1); ``light`` runners hold no model."""
+    (default 1); ``light`` runners hold no model. ``ranks_per_cell`` > 1: each training cell's
+    Learner is that many FSDP2 ranks (gloo on CPU; ``ShardingSettings.ranks_per_cell``)."""
     from ray_xlong.cells.config import CellJobConfig, LearnerSettings
+    from ray_xlong.cells.sharding import ShardingSettings
     from ray_xlong.cells.long_horizon_job import LongHorizonJob
     from ray_xlong.cells.pool import CellLayout
     from ray_xlong.rollout import HarnessConfig
@@ -89,7 +91,8 @@ def build_config(size: dict, *, model_dir: str, seed: int):
                                 micro_batch_tokens=size.get("micro_batch_tokens", 4096)),
         slots_per_cell=size["slots"],
         async_rollout_cells=size["async_rollout"], work=work,
-        harness=HarnessConfig(max_new_tokens=32, wall_clock_s=timeout, tool_timeout_s=timeout))
+        harness=HarnessConfig(max_new_tokens=32, wall_clock_s=timeout, tool_timeout_s=timeout),
+        sharding=ShardingSettings(ranks_per_cell=ranks_per_cell))
 
 
 def calibrate(config, pool, *, steps: int = 1) -> dict:
@@ -308,7 +311,8 @@ class ModesRun:
 
 def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = None,
                    model_dir: str | None = None,
-                   on_mode: Callable[[str], None] | None = None) -> ModesRun:
+                   on_mode: Callable[[str], None] | None = None,
+                   ranks_per_cell: int = 1) -> ModesRun:
     """Connect to Ray, build cells once, calibrate, run ``modes``; cells (and a Ray started
     here) go after.
 
@@ -322,6 +326,7 @@ def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = N
         model_dir: the policy (a HF causal-LM directory every node can read); None builds a
             tiny local one (fine on one machine, not on a multi-node cluster).
         on_mode: called with each mode's name before it runs (progress).
+        ranks_per_cell: Learner ranks per training cell (``build_config``).
 
     Returns:
         :class:`ModesRun`.
@@ -349,7 +354,7 @@ def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = N
     try:
         if model_dir is None:
             model_dir = str(build_tiny_model_dir(f"{tmp}/m", seed=0))
-        config = build_config(s, model_dir=model_dir, seed=seed)
+        config = build_config(s, model_dir=model_dir, seed=seed, ranks_per_cell=ranks_per_cell)
         pool = start_cells(config)
         try:
             cal = calibrate(config, pool, steps=s.get("cal_steps", 1))
@@ -362,5 +367,6 @@ def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = N
     summary = {"seed": seed, "size": size, "job": dataclasses.asdict(config.job),
                "cells": s["cells"], "slots_per_cell": s["slots"], "lower_bound_s": lb,
                "calibration": cal, "cells_startup_s": pool.startup_s,
+               "ranks_per_cell": ranks_per_cell,
                "wall_s": time.perf_counter() - t0, "modes": rows}
     return ModesRun(summary, logs)

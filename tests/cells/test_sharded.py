@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ray.rllib.connectors.connector_v2 import ConnectorV2
 
 from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.cells.learner_group import ElasticLearnerGroup
 from ray_xlong.cells.sharded import rank_rows, start_sharded_cell
 from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.models import load_model
+from ray_xlong.rllib.connector import ADVANTAGES_KEY
 from ray_xlong.rllib.episodes import processed_runs
+from ray_xlong.rllib.learner import ConnectorBatches, learner_config
 from ray_xlong.trajectory import TrajectoryProcessor
 import tests.cells.test_learner_group as lg
 from tests.cells.test_learner_group import (LR, PROC, errors, model_dir, plan,  # noqa: F401
@@ -27,14 +30,21 @@ WIDE_MICRO_TOKENS = 1500   # 2-4 rows per micro-batch: both ranks of a cell get 
 pytestmark = [pytest.mark.ray]
 
 
-def start_cells(model_dir: str, n: int) -> list:
+def pipeline(settings: LearnerSettings, user=None) -> ConnectorBatches:
+    """The Learner connector pipeline a rank runs (the single Learner's: ``user``'s pieces,
+    then PrefixTreeConnector)."""
+    config, _ = learner_config(settings, processor=PROC, learner_connector=user)
+    return ConnectorBatches(config)
+
+
+def start_cells(model_dir: str, n: int, *, ranks: int = 2, user=None) -> list:
     settings = LearnerSettings(model_dir=model_dir, lr=LR, dtype="float32")
-    sharding = ShardingSettings(ranks_per_cell=2)
+    sharding = ShardingSettings(ranks_per_cell=ranks)
     import ray
 
     cells = [start_sharded_cell(pg=None, settings=settings, sharding=sharding,
-                                nodes_per_cell=1, gpus_per_node=0, processor=PROC,
-                                runs_of=processed_runs) for _ in range(n)]
+                                nodes_per_cell=1, gpus_per_node=0,
+                                batch_of=pipeline(settings, user)) for _ in range(n)]
     ray.get([c.build.remote() for c in cells])
     return cells
 
@@ -98,8 +108,8 @@ def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir, monke
 
     def new_cell():
         cell = start_sharded_cell(pg=None, settings=settings, sharding=sharding,
-                                  nodes_per_cell=1, gpus_per_node=0, processor=PROC,
-                                  runs_of=processed_runs)
+                                  nodes_per_cell=1, gpus_per_node=0,
+                                  batch_of=pipeline(settings))
         ray_local.get(cell.build.remote())
         return cell
 
@@ -140,9 +150,9 @@ def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir, monke
 
 
 def test_a_rank_reads_its_runs_processed_where_they_ended_or_processes_them():
-    """``processed_runs`` (the reader a rank gets) keeps the carried ``ProcessedRun``, processes
-    a run that carries none, skips unwanted runs; a rank without a reader, or whose payloads
-    lack a run, says so before training."""
+    """``processed_runs`` keeps the carried ``ProcessedRun``, processes a run that carries none,
+    skips unwanted runs; a rank without a pipeline, or whose payloads lack a run, says so
+    before training."""
     from ray_xlong.cells.sharded import LearnerRank
     from ray_xlong.rllib.episodes import run_to_episode
     from ray_xlong.trajectory.per_run import process_run
@@ -156,9 +166,48 @@ def test_a_rank_reads_its_runs_processed_where_they_ended_or_processes_them():
     settings = LearnerSettings(model_dir="unused", lr=LR, dtype="float32")
     sharding = ShardingSettings(ranks_per_cell=2)
     bare = LearnerRank(settings=settings, sharding=sharding, rank=0, world_size=2)
-    with pytest.raises(RuntimeError, match="runs_of"):
+    with pytest.raises(RuntimeError, match="batch_of"):
         bare.accumulate_runs([runs[0].run_id], [1.0], 0, episodes)
     rank = LearnerRank(settings=settings, sharding=sharding, rank=0, world_size=2,
-                       processor=PROC, runs_of=processed_runs)
+                       batch_of=pipeline(settings))
     with pytest.raises(ValueError, match="lack runs"):
         rank.accumulate_runs(["nope"], [1.0], 0, episodes)
+
+
+def test_a_users_connector_piece_runs_on_a_sharded_rank(ray_local, model_dir):
+    """The user's piece runs on both ranks of a 2-rank cell before PrefixTreeConnector: the
+    cell's gradient of one micro-batch is twice plain torch's on the same runs (the loss is
+    linear in positive advantage scales, PPO clip and truncated IS alike)."""
+    from ray_xlong.trajectory.accumulate import accumulate_loss
+    from ray_xlong.trajectory.per_run import pack_runs, process_run
+
+    class DoubleAdvantages(ConnectorV2):   # local: pickled by value into the ranks
+        """A user's learner connector piece: doubles every run's advantage before packing."""
+
+        def __call__(self, *, rl_module, batch, episodes, shared_data=None, **kwargs):
+            advantages = shared_data[ADVANTAGES_KEY]
+            for run_id in advantages:
+                advantages[run_id] *= 2.0
+            return batch
+
+    runs = step_runs(0)
+    micro, payloads = plan(ray_local, runs)
+    m = micro[0]
+    (cell,) = start_cells(model_dir, 1, user=lambda obs, act: [DoubleAdvantages()])
+    try:
+        ray_local.get(cell.accumulate_runs.remote(m.run_ids, m.advantages, 0, *payloads))
+        got = ray_local.get(cell.take_gradients.remote())
+    finally:
+        cell.kill()
+    by_id = {r.run_id: process_run(r, PROC) for r in runs}
+    packed = pack_runs([by_id[r] for r in m.run_ids], dict(zip(m.run_ids, m.advantages)),
+                       config=PROC)
+    from ray_xlong.trajectory.tree_attention import ATTN_IMPLEMENTATION, register
+
+    register()
+    lm = load_model(model_dir, attn_implementation=ATTN_IMPLEMENTATION).train()
+    accumulate_loss(lm, packed)
+    for name, p in lm.named_parameters():
+        want = 2.0 * p.grad
+        err = float((got[name] - want).norm() / want.norm().clamp_min(1e-30))
+        assert err <= 1e-5, (name, err)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -42,6 +43,33 @@ def test_cuda_ranks_on_cells_without_gpus_fail_before_anything_starts(tmp_path):
         CellJobConfig(mode="elastic", job=JOB, layout=dataclasses.replace(LAYOUT, gpus_per_node=0),
                       learner=LearnerSettings(model_dir=str(tmp_path)),
                       sharding=ShardingSettings(ranks_per_cell=2, device="cuda"))
+
+
+@pytest.mark.ray
+def test_cuda_on_logical_gpus_is_an_error_before_any_actor_starts(tmp_path):
+    """Logical GPUs (``ray.init(num_gpus=2)``, no CUDA): a config asking for CUDA learners
+    fails in ``create_cells`` naming the field, from the probe of bundle 0 — no runner or
+    learner was started (no NCCL tried) and the placement groups are gone."""
+    import ray
+    from ray.util import placement_group_table
+
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False,
+             object_store_memory=200 * 1024 ** 2)
+    try:
+        model_dir = str(build_tiny_model_dir(tmp_path / "m", seed=0))
+        cfg = dataclasses.replace(config(model_dir),
+                                  sharding=ShardingSettings(ranks_per_cell=1, device="cuda"))
+        with pytest.raises(ShardingError, match=r"ShardingSettings.device='cuda'.*CUDA devices"):
+            start_cells(cfg)
+        states = {t["state"] for t in placement_group_table().values()}
+        assert states <= {"REMOVED"}, states
+        deadline = time.monotonic() + 30     # a removed group's resources return async
+        while ray.available_resources().get("GPU") != 2.0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ray.available_resources().get("GPU") == 2.0
+    finally:
+        ray.shutdown()
 
 
 @pytest.mark.ray

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ray_xlong.cells.sharding import (ShardingError, ShardingSettings, check_model_fits,
-                                      model_num_params, ranks_per_bundle)
+                                      model_num_params, rank_placements, ranks_per_bundle)
 
 
 def test_cuda_on_bundles_without_gpus_names_the_field():
@@ -63,3 +63,29 @@ def test_model_size_is_counted_without_weights(tmp_path):
     path = build_tiny_model_dir(tmp_path / "m", seed=0)
     want = sum(p.numel() for p in load_model(path).parameters())
     assert model_num_params(str(path)) == want
+
+
+@pytest.mark.parametrize("ranks,nodes,gpus,ids,want", [
+    # CPU: no rank asks for a GPU (logical GPUs never lead to NCCL), ranks split over bundles
+    pytest.param(4, 2, 8, (), [(0, 0.0, None), (0, 0.0, None), (1, 0.0, None), (1, 0.0, None)],
+                 id="cpu-2-bundles"),
+    # CUDA, one bundle of 4 GPUs, 2 ranks: pinned to the runner's GPUs 0 and 2 (stride 4/2)
+    pytest.param(2, 1, 4, ("4", "5", "6", "7"), [(0, 0.0, "4"), (0, 0.0, "6")], id="cuda-bundle0"),
+    # CUDA, 2 bundles × 2 GPUs, 4 ranks: bundle 0 pinned, bundle 1 one whole Ray GPU each
+    pytest.param(4, 2, 2, ("0", "1"), [(0, 0.0, "0"), (0, 0.0, "1"), (1, 1.0, None),
+                                       (1, 1.0, None)], id="cuda-2-bundles"),
+    # CUDA, one unsharded rank on an 8-GPU bundle: the bundle's first GPU
+    pytest.param(1, 2, 8, tuple(map(str, range(8))), [(0, 0.0, "0")], id="cuda-one-rank"),
+])
+def test_rank_placements(ranks, nodes, gpus, ids, want):
+    device = "cuda" if ids else "cpu"
+    got = rank_placements(ShardingSettings(ranks_per_cell=ranks, device=device),
+                          nodes_per_cell=nodes, gpus_per_node=gpus, bundle0_gpu_ids=ids)
+    assert [(p.bundle, p.num_gpus, p.visible_devices) for p in got] == want
+    assert [p.rank for p in got] == list(range(ranks))
+
+
+def test_cuda_placement_needs_the_bundles_gpu_ids():
+    with pytest.raises(ShardingError, match=r"ShardingSettings.device='cuda'.*gpus_per_node=4"):
+        rank_placements(ShardingSettings(ranks_per_cell=2, device="cuda"), nodes_per_cell=1,
+                        gpus_per_node=4, bundle0_gpu_ids=("0",))

@@ -41,3 +41,22 @@ def test_every_fault_kind_loses_nothing(tmp_path):
     assert rows["driver"]["runs_from_spool"] + rows["driver"]["runs_rerun"] >= 0
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "fault    injected survived" in proc.stdout                 # the table is printed
+
+
+@pytest.mark.timeout(900)
+def test_a_rank_lost_inside_a_sharded_step_loses_nothing(tmp_path):
+    """2 cells whose Learners are 2 FSDP2 ranks (gloo): one rank of a training cell is killed
+    mid-step; the cell is replaced, its share of the step redone, every run trained once."""
+    out = tmp_path / "faults.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--kinds", "learner", "--per-kind", "1",
+                           "--steps", "2", "--cells", "2", "--ranks-per-cell", "2",
+                           "--seed", "7", "--json", str(out)], capture_output=True, text=True,
+                          timeout=800)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["faults"]
+    assert r["kind"] == "learner" and r["injected"] == 1 and r["detected"] == 1, r
+    assert len(r["ranks_killed"]) == 1, r                   # one rank, not the whole cell
+    assert r["micro_batches_redone"] >= 1, r                # killed mid micro-batch: redone
+    assert r["runs_lost"] == 0 and r["runs_trained_twice"] == 0, r
+    assert r["versions_consistent"] and r["steps"] == 2 and not r["violations"], r
+    assert r["survived"] == 1 and proc.returncode == 0, proc.stdout[-2000:]
