@@ -85,14 +85,19 @@ def scorer(task: dict, outcome) -> float:
     return 0.2 if task["key"] in task["looked_up"] else 0.0
 
 
-def make_agent_task(seed: int):
-    """The job's task: ``make(seed) -> AgentTask`` (a lookup table of the seed, this agent)."""
+def make_task(seed: int) -> dict:
+    """The task handed to :func:`agent`: the lookup instance of ``seed`` (its hidden table)."""
     from ray_xlong.rollout.tasks.lookup import LookupTask
-    from ray_xlong.serving.agents import AgentTask
 
     t = LookupTask(seed)
-    task = {"key": t.key, "table": dict(t.table), "looked_up": []}
-    return AgentTask(task, scorer, agent=agent)
+    return {"key": t.key, "table": dict(t.table), "looked_up": []}
+
+
+def make_agent_task(seed: int):
+    """The job's task: ``make(seed) -> AgentTask`` (this agent on :func:`make_task`)."""
+    from ray_xlong.serving.agents import AgentTask
+
+    return AgentTask(make_task(seed), scorer, agent=agent)
 
 
 # -- training (ray_xlong) -------------------------------------------------------------------

@@ -48,7 +48,8 @@ async def start_server(endpoint: Endpoint, *, host: str = "127.0.0.1", port: int
     sock.setblocking(False)
     bound = sock.getsockname()[1]
     config = uvicorn.Config(endpoint.app, log_level="warning", lifespan="off",
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, access_log=False,
+                            http="httptools" if _has("httptools") else "h11")
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None    # type: ignore[method-assign]
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
@@ -58,6 +59,12 @@ async def start_server(endpoint: Endpoint, *, host: str = "127.0.0.1", port: int
         await asyncio.sleep(0.01)
     endpoint.url = f"http://{host}:{bound}"
     return Server(server, task, endpoint.url)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def build_endpoint(model_dir: str | pathlib.Path, *, engine: str = "hf", seed: int = 0,
