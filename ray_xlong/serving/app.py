@@ -13,7 +13,9 @@
     POST /drain | /undrain, GET /health the cell's role
 
 Requests and responses are vLLM's protocol models (``responses.py``); prompts are token-exact
-(``prompts.py``); every answered request is one whole ``ModelCall`` (``runs.py``).
+(``prompts.py``); every answered request is one whole ``ModelCall`` (``runs.py``). A chat
+request's messages that repeat its agent's previous request are not schema-checked again
+(``_unvalidated``: the check's cost would grow with the history on every call).
 
 Bad input is an HTTP error in OpenAI's shape ``{"error": {"message", "type", "code"}}``:
 malformed JSON / schema failure / unsupported field / ``max_tokens`` past the context → 400;

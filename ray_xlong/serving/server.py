@@ -41,8 +41,12 @@ class Server:
 
 async def start_server(endpoint: Endpoint, *, host: str = "127.0.0.1", port: int = 0) -> Server:
     """Bind ``host:port`` (0: a free port) and serve ``endpoint`` on the running loop."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP spelled out: asyncio disables Nagle only on sockets whose proto says TCP, and
+    # with Nagle a keep-alive response's second write waits out the client's delayed ACK
+    # (~40 ms a call, measured); accepted sockets inherit TCP_NODELAY on Linux as well.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(1024)
     sock.setblocking(False)
