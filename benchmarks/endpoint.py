@@ -1,49 +1,67 @@
 """The endpoint vs the in-process harness on the same concurrent multi-turn tool-calling runs.
 
-Both paths drive the same scripted engine policy (ChatML template, Hermes tool calls: ``turns``
-tool turns, then an answer) from one process, side by side:
+What is measured, per engine (``--engines scripted,hf``), side by side in one run:
 
-* **harness** — ``Harness.run_many`` (the built-in agent loop, engine calls in-process);
-* **endpoint** — ``runs`` concurrent agents written against ``openai.AsyncOpenAI`` talking HTTP
-  to an :class:`~ray_xlong.serving.app.Endpoint` (uvicorn on its own loop and thread).
+* **harness** — ``Harness.run_many``: the built-in agent loop, engine calls in-process (this
+  process), as a cell's runner runs built-in tasks.
+* **endpoint** — the way the product runs an external agent: the endpoint (uvicorn +
+  :class:`~ray_xlong.serving.app.Endpoint` on its engine's event loop) runs in **its own
+  process** (``--serve``, a child of this one, as on a cell's runner), and ``runs`` concurrent
+  agents written against ``openai.AsyncOpenAI`` run in this process and talk HTTP to it. Server
+  and clients do not share a GIL.
 
-Per-call overhead of the endpoint = client-observed latency of a call − the engine time the
-endpoint recorded for it (``ModelCall.end_time - start_time``): HTTP, JSON, schema validation,
-message normalization, the prompt delta, tool-call parsing, the response, and the ``openai``
-client's own work (it runs in this process, sharing the GIL with the server). Measured once
-with one run at a time (the call's own cost) and once under the concurrent runs (+ queueing
-behind the other runs' requests on the endpoint's one event loop). Throughput = model
-calls per second of wall time; the ratio is endpoint ÷ harness. Trajectories per run come from
-the trajectory processor on each path's recorded runs.
+Engines:
 
-    python benchmarks/endpoint.py [--seed 0] [--runs 16] [--turns 10] [--json out.json]
+* ``scripted`` — a :class:`ScriptedEngine` policy (ChatML template, Hermes tool calls:
+  ``turns`` tool turns, then an answer; engine time ~0): the **pure overhead** of the endpoint.
+* ``hf`` — the tiny ChatML model warm-started on the lookup task (what ``examples/
+  openai_agent.py`` and the main job train; cached under ``--workdir``) on a real
+  :class:`HFEngine`: the harness runs ``LookupTask``, the endpoint runs the example's openai
+  agent on the same task instances (sampled at temperature 1, so the two paths make similar,
+  not identical, calls): **a user's throughput**.
+
+Per-call overhead = client-observed latency of a call − the engine time the endpoint recorded
+for it (``ModelCall.end_time − start_time``): HTTP both ways, JSON, schema validation, message
+normalization, the prompt delta, tool-call parsing, the response, and the ``openai`` client's
+own work. Measured with one run at a time (the call's own cost) and under the concurrent runs
+(+ queueing behind the other runs' requests on the endpoint's one event loop). Throughput =
+model calls (and generated tokens) per second of wall time; the ratio is endpoint ÷ harness.
+Trajectories per run come from the trajectory processor on each path's recorded runs. A warm-up
+run on each path is not counted.
+
+    python benchmarks/endpoint.py [--seed 0] [--runs 16] [--turns 10] [--engines scripted,hf]
+                                  [--workdir .cache/ray_xlong] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import pathlib
+import subprocess
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
 
-from ray_xlong.models.tokenizer import build_tokenizer  # noqa: E402
-from ray_xlong.rollout import Harness, HarnessConfig, ScriptedEngine  # noqa: E402
 from ray_xlong.rollout.chat import ToolCall  # noqa: E402
 from ray_xlong.rollout.tasks.base import Observation  # noqa: E402
-from ray_xlong.rollout.template_format import TemplateFormat  # noqa: E402
 from ray_xlong.rollout.tool_calls import function_schema  # noqa: E402
-from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor  # noqa: E402
 
 TOOLS = [function_schema("lookup", "The value of a key.", {"key": {"type": "integer"}})]
+MAX_TOKENS = 24
+"""Tokens per call on the real engine (the example agent's ``max_tokens``)."""
 
 
-def policy(fmt: TemplateFormat, turns: int):
+# -- the scripted workload ------------------------------------------------------------------
+def policy(fmt, turns: int):
+    """``turns`` lookup calls, then the answer."""
     def step(ids: np.ndarray) -> np.ndarray:
         k = fmt.decode(ids).count("<tool_response>")
         if k >= turns:
@@ -53,6 +71,8 @@ def policy(fmt: TemplateFormat, turns: int):
 
 
 class LookupEnv:
+    """The scripted workload's task (the harness side)."""
+
     tools = tuple(TOOLS)
 
     def reset(self):
@@ -71,121 +91,295 @@ class LookupEnv:
         pass
 
 
-async def harness_path(fmt, *, runs: int, turns: int, seed: int) -> dict:
-    engine = ScriptedEngine(policy(fmt, turns), vocab_size=len(fmt.tokenizer), seed=seed)
-    cfg = HarnessConfig(max_new_tokens=64, max_calls=turns + 4, context_capacity=16384,
-                        compaction_budget=12000, max_subagent_depth=0)
-    harness = Harness(engine, fmt, config=cfg)
-    t0 = time.perf_counter()
-    results = await harness.run_many([LookupEnv() for _ in range(runs)],
-                                     run_ids=[f"h{i}" for i in range(runs)],
-                                     group_ids=["g"] * runs)
-    wall = time.perf_counter() - t0
-    await engine.close()
-    return {"wall_s": wall, "runs": [r.run for r in results], "latencies": []}
-
-
-async def agent(base_url: str, latencies: list[float]) -> None:
+async def scripted_agent(base_url: str, task: dict) -> None:
+    """The scripted workload's openai agent: answer every tool call until the model answers."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
     messages = [{"role": "system", "content": "Use the tools."},
                 {"role": "user", "content": "What is key 3?"}]
-    while True:
-        t = time.perf_counter()
-        r = await client.chat.completions.create(model="bench", messages=messages, tools=TOOLS,
-                                                 max_tokens=64)
-        latencies.append(time.perf_counter() - t)
-        msg = r.choices[0].message
-        messages.append(msg.model_dump(exclude_none=True))
-        if not msg.tool_calls:
-            await client.close()
-            return
-        messages += [{"role": "tool", "tool_call_id": tc.id,
-                      "content": f"lookup = {json.loads(tc.function.arguments)}"}
-                     for tc in msg.tool_calls]
+    try:
+        while True:
+            r = await client.chat.completions.create(model="bench", messages=messages,
+                                                     tools=TOOLS, max_tokens=64)
+            msg = r.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))
+            if not msg.tool_calls:
+                return
+            messages += [{"role": "tool", "tool_call_id": tc.id,
+                          "content": f"lookup = {json.loads(tc.function.arguments)}"}
+                         for tc in msg.tool_calls]
+    finally:
+        await client.close()
 
 
-def endpoint_path(fmt, *, runs: int, turns: int, seed: int) -> dict:
+_LATENCIES: contextvars.ContextVar[list] = contextvars.ContextVar("latencies")
+"""Where the running agent's chat calls are timed (one list per agent task)."""
+
+
+def time_openai_calls() -> None:
+    """Make every ``openai.AsyncOpenAI`` of this process time its ``chat.completions.create``
+    calls (request sent → response parsed) into the current agent's ``_LATENCIES`` list: the
+    example agent makes its own client, unmodified."""
+    import openai
+
+    base = openai.AsyncOpenAI
+    if getattr(base, "xlong_timed", False):
+        return
+
+    class Timed(base):                                   # type: ignore[misc, valid-type]
+        xlong_timed = True
+
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            create = self.chat.completions.create
+
+            async def timed(*a, **kw):
+                t = time.perf_counter()
+                out = await create(*a, **kw)
+                _LATENCIES.get().append(time.perf_counter() - t)
+                return out
+            self.chat.completions.create = timed          # type: ignore[method-assign]
+    openai.AsyncOpenAI = Timed
+
+
+# -- the endpoint process -------------------------------------------------------------------
+def serve(kind: str, *, model_dir: str, turns: int, seed: int, batch: int) -> None:
+    """``--serve``: host an endpoint on ``kind``'s engine; print its URL; stop at stdin EOF."""
+    from ray_xlong.serving.server import start_server
+
+    async def main() -> None:
+        endpoint = make_endpoint(kind, model_dir=model_dir, turns=turns, seed=seed,
+                                 batch=batch)
+        server = await start_server(endpoint)
+        print(f"serving {server.url}", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await server.stop()
+        await endpoint.engine.close()
+    asyncio.run(main())
+
+
+def make_endpoint(kind: str, *, model_dir: str, turns: int, seed: int, batch: int):
+    from ray_xlong.serving.app import Endpoint, EndpointConfig
+    from ray_xlong.serving.server import build_endpoint
+
+    if kind == "hf":
+        return build_endpoint(model_dir, engine="hf", seed=seed, max_batch_size=batch)
+    fmt = scripted_format()
+    engine = make_engine(kind, fmt=fmt, model_dir=model_dir, turns=turns, seed=seed,
+                         batch=batch)
+    return Endpoint(engine, tokenizer=fmt.tokenizer, fmt=fmt,
+                    config=EndpointConfig(model_name="bench", max_model_len=16384))
+
+
+def scripted_format():
+    from ray_xlong.models.tokenizer import build_tokenizer
+    from ray_xlong.rollout.template_format import TemplateFormat
+
+    return TemplateFormat(build_tokenizer(style="chatml", vocab_size=600))
+
+
+def make_engine(kind: str, *, fmt, model_dir: str, turns: int, seed: int, batch: int):
+    from ray_xlong.rollout import HFEngine, ScriptedEngine
+
+    if kind == "hf":
+        return HFEngine(model_dir, max_batch_size=batch, seed=seed)
+    return ScriptedEngine(policy(fmt, turns), vocab_size=len(fmt.tokenizer), seed=seed,
+                          max_batch_size=batch)
+
+
+# -- the two paths --------------------------------------------------------------------------
+def harness_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str) -> dict:
+    from ray_xlong.rollout import Harness, HarnessConfig, load_chat_format
+    from ray_xlong.rollout.tasks.lookup import LookupTask
+
+    fmt = scripted_format() if kind == "scripted" else load_chat_format(model_dir)
+    if kind == "scripted":
+        cfg = HarnessConfig(max_new_tokens=64, max_calls=turns + 4, context_capacity=16384,
+                            compaction_budget=12000, max_subagent_depth=0)
+        envs = lambda n: [LookupEnv() for _ in range(n)]             # noqa: E731
+    else:
+        cfg = HarnessConfig(max_new_tokens=MAX_TOKENS, max_calls=4, max_retries=0,
+                            max_subagent_depth=0)
+        envs = lambda n: [LookupTask(seed + i) for i in range(n)]    # noqa: E731
+
+    async def main() -> tuple[float, list]:
+        engine = make_engine(kind, fmt=fmt, model_dir=model_dir, turns=turns, seed=seed,
+                             batch=runs)
+        harness = Harness(engine, fmt, config=cfg)
+        await harness.run_many(envs(1), run_ids=["warm"], group_ids=["w"])
+        t0 = time.perf_counter()
+        results = await harness.run_many(envs(runs), run_ids=[f"h{i}" for i in range(runs)],
+                                          group_ids=["g"] * runs)
+        wall = time.perf_counter() - t0
+        await engine.close()
+        return wall, [r.run for r in results]
+    wall, recorded = asyncio.run(main())
+    return {"wall_s": wall, "runs": recorded}
+
+
+def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str) -> dict:
+    """``runs`` concurrent openai agents against an endpoint in a child process."""
     import httpx
 
-    from ray_xlong.serving.app import Endpoint, EndpointConfig
-    from ray_xlong.serving.server import ThreadedEndpoint
     from ray_xlong.trajectory.recording import read_runs
 
-    def make() -> Endpoint:
-        engine = ScriptedEngine(policy(fmt, turns), vocab_size=len(fmt.tokenizer), seed=seed)
-        return Endpoint(engine, tokenizer=fmt.tokenizer, fmt=fmt,
-                        config=EndpointConfig(model_name="bench", max_model_len=16384))
-    with ThreadedEndpoint(make) as ep:
-        urls = [httpx.post(f"{ep.url}/runs", json={"group_id": "g", "run_id": f"e{i}"}).json()
-                ["base_url"] for i in range(runs)]
-        latencies: list[list[float]] = [[] for _ in range(runs)]
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve", kind, "--model-dir", model_dir, "--turns",
+         str(turns), "--seed", str(seed), "--runs", str(runs)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        if line[:1] != ["serving"]:
+            raise RuntimeError(f"the endpoint process did not start (exit {proc.wait()})")
+        url = line[1]
 
-        async def all_agents() -> None:
-            await asyncio.gather(*(agent(u, lat) for u, lat in zip(urls, latencies)))
-        t0 = time.perf_counter()
-        asyncio.run(all_agents())
-        wall = time.perf_counter() - t0
-        recorded, tmp = [], pathlib.Path(f"/tmp/xlong_endpoint_bench_{seed}.jsonl")
-        for i in range(runs):
-            tmp.write_text(httpx.post(f"{ep.url}/runs/e{i}/end", json={"reward": 1.0}).text)
-            recorded += read_runs(str(tmp))
-        tmp.unlink()
-    overhead = [lat - (c.end_time - c.start_time)
-                for run, lats in zip(recorded, latencies) for c, lat in zip(run.calls, lats)]
-    return {"wall_s": wall, "runs": recorded, "overhead": overhead}
+        import openai_agent
+
+        time_openai_calls()
+
+        async def one(run_id: str, latencies: list[float], i: int) -> None:
+            _LATENCIES.set(latencies)
+            async with httpx.AsyncClient() as http:
+                base = (await http.post(f"{url}/runs", json={"group_id": "g",
+                                                              "run_id": run_id})
+                        ).json()["base_url"]
+            if kind == "scripted":
+                await scripted_agent(base, {})
+            else:
+                await openai_agent.agent(base, openai_agent.make_task(seed + i))
+
+        def batch(ids: list[str]) -> tuple[float, list[list[float]]]:
+            lats: list[list[float]] = [[] for _ in ids]
+
+            async def all_agents() -> None:
+                await asyncio.gather(*(one(r, lat, i)
+                                       for i, (r, lat) in enumerate(zip(ids, lats))))
+            t0 = time.perf_counter()
+            asyncio.run(all_agents())
+            return time.perf_counter() - t0, lats
+
+        def ended(ids: list[str]) -> list:
+            tmp, out = pathlib.Path(f"/tmp/xlong_endpoint_bench_{seed}_{proc.pid}.jsonl"), []
+            for r in ids:
+                tmp.write_text(httpx.post(f"{url}/runs/{r}/end", json={"reward": 1.0}).text)
+                out += read_runs(str(tmp))
+            tmp.unlink()
+            return out
+
+        batch(["warm"])
+        ended(["warm"])
+        alone_ids = [f"a{i}" for i in range(min(runs, 4))]
+        alone_lats = [batch([r])[1][0] for r in alone_ids]        # one run at a time
+        alone = ended(alone_ids)
+        ids = [f"e{i}" for i in range(runs)]
+        wall, lats = batch(ids)
+        recorded = ended(ids)
+    finally:
+        if proc.stdin:
+            proc.stdin.close()
+        proc.wait(timeout=60)
+    return {"wall_s": wall, "runs": recorded, "overhead": _overhead(recorded, lats),
+            "overhead_alone": _overhead(alone, alone_lats)}
+
+
+def _overhead(recorded: list, latencies: list[list[float]]) -> list[float]:
+    out = []
+    for run, lats in zip(recorded, latencies):
+        if len(lats) != len(run.calls):
+            raise RuntimeError(f"run {run.run_id}: {len(lats)} timed calls, "
+                               f"{len(run.calls)} recorded")
+        out += [lat - (c.end_time - c.start_time) for c, lat in zip(run.calls, lats)]
+    return out
 
 
 def summarize(path: dict) -> dict:
+    from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor
+
     runs = path["runs"]
     calls = sum(len(r.calls) for r in runs)
+    tokens = sum(int(c.output_ids.size) for r in runs for c in r.calls)
     batch = TrajectoryProcessor(ProcessorConfig(pack="none")).process(runs)
-    return {"calls": calls, "wall_s": path["wall_s"], "calls_per_s": calls / path["wall_s"],
+    return {"calls": calls, "output_tokens": tokens, "wall_s": path["wall_s"],
+            "calls_per_s": calls / path["wall_s"], "tokens_per_s": tokens / path["wall_s"],
             "trajectories_per_run": len(batch.trajectories) / len(runs),
-            "finished": sum(r.status == "finished" for r in runs)}
+            "failed": sum(r.status == "failed" for r in runs)}
+
+
+def measure(kind: str, args, model_dir: str) -> dict:
+    common = dict(runs=args.runs, turns=args.turns, seed=args.seed, model_dir=model_dir)
+    h = harness_path(kind, **common)
+    e = endpoint_path(kind, **common)
+    hs, es = summarize(h), summarize(e)
+    alone, loaded = np.asarray(e["overhead_alone"]) * 1e3, np.asarray(e["overhead"]) * 1e3
+    return {"harness": hs, "endpoint": es,
+            "overhead_ms_p50": float(np.percentile(alone, 50)),
+            "overhead_ms_p99": float(np.percentile(alone, 99)),
+            "overhead_concurrent_ms_p50": float(np.percentile(loaded, 50)),
+            "overhead_concurrent_ms_p99": float(np.percentile(loaded, 99)),
+            "throughput_ratio": es["calls_per_s"] / hs["calls_per_s"],
+            "token_throughput_ratio": es["tokens_per_s"] / hs["tokens_per_s"]}
+
+
+def model_dir_for(args) -> str:
+    from ray_xlong.cells.task_job import warm_started_model_dir
+
+    warm = None
+    if args.quick_warm:
+        from ray_xlong.rollout.lookup_recipe import WarmStartConfig
+
+        warm = WarmStartConfig(clean_steps=5, noisy_steps=2, min_accuracy=0.0)
+    return warm_started_model_dir(args.workdir, seed=args.seed, warm=warm, style="chatml_tiny")
+
+
+def print_table(args, results: dict) -> None:
+    print(f"{args.runs} concurrent runs, seed {args.seed}; endpoint in its own process, openai "
+          f"clients in this one; scripted: {args.turns} tool turns a run\n")
+    print("| engine | path | calls | tokens | wall s | calls/s | tokens/s | trajectories/run "
+          "| failed |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind, res in results.items():
+        for name, row in (("harness (in-process)", res["harness"]),
+                          ("endpoint (openai client, HTTP)", res["endpoint"])):
+            print(f"| {kind} | {name} | {row['calls']} | {row['output_tokens']} | "
+                  f"{row['wall_s']:.2f} | {row['calls_per_s']:.1f} | {row['tokens_per_s']:.0f} "
+                  f"| {row['trajectories_per_run']:.2f} | {row['failed']} |")
+    print("\n| engine | overhead p50 ms (one run) | p99 | p50 (concurrent) | p99 | "
+          "calls/s ratio | tokens/s ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for kind, r in results.items():
+        print(f"| {kind} | {r['overhead_ms_p50']:.2f} | {r['overhead_ms_p99']:.2f} | "
+              f"{r['overhead_concurrent_ms_p50']:.2f} | {r['overhead_concurrent_ms_p99']:.2f} | "
+              f"{r['throughput_ratio']:.2f} | {r['token_throughput_ratio']:.2f} |")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=16, help="concurrent runs per path")
-    parser.add_argument("--turns", type=int, default=10, help="tool turns per run")
+    parser.add_argument("--turns", type=int, default=10, help="tool turns per scripted run")
+    parser.add_argument("--engines", default="scripted,hf", help="scripted, hf or both")
+    parser.add_argument("--workdir", default=".cache/ray_xlong", help="warm-start cache (hf)")
+    parser.add_argument("--quick-warm", action="store_true",
+                        help="a 7-step warm start (smoke tests: plumbing, not a policy)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    fmt = TemplateFormat(build_tokenizer(style="chatml", vocab_size=600))
-    harness = harness_path_sync(fmt, args)
-    endpoint = endpoint_path(fmt, runs=args.runs, turns=args.turns, seed=args.seed)
-    alone = endpoint_path(fmt, runs=1, turns=args.turns, seed=args.seed)
-    h, e = summarize(harness), summarize(endpoint)
-    ms = np.asarray(alone["overhead"][1:]) * 1e3          # one run, warm: the call's own cost
-    loaded = np.asarray(endpoint["overhead"]) * 1e3      # concurrent runs: + queueing
-    result = {"seed": args.seed, "runs": args.runs, "turns": args.turns, "harness": h,
-              "endpoint": e, "overhead_ms_p50": float(np.percentile(ms, 50)),
-              "overhead_ms_p99": float(np.percentile(ms, 99)),
-              "overhead_concurrent_ms_p50": float(np.percentile(loaded, 50)),
-              "overhead_concurrent_ms_p99": float(np.percentile(loaded, 99)),
-              "throughput_ratio": e["calls_per_s"] / h["calls_per_s"]}
-    print(f"{args.runs} concurrent runs x {args.turns} tool turns, seed {args.seed} "
-          f"(both paths in one process, side by side)\n")
-    print("| path | calls | wall s | calls/s | trajectories/run | finished |")
-    print("|---|---|---|---|---|---|")
-    for name, row in (("harness (in-process)", h), ("endpoint (openai client, HTTP)", e)):
-        print(f"| {name} | {row['calls']} | {row['wall_s']:.2f} | {row['calls_per_s']:.1f} | "
-              f"{row['trajectories_per_run']:.2f} | {row['finished']}/{args.runs} |")
-    print(f"\nendpoint per-call overhead, one run at a time: p50 "
-          f"{result['overhead_ms_p50']:.2f} ms, p99 {result['overhead_ms_p99']:.2f} ms; with "
-          f"{args.runs} concurrent runs (queueing included): p50 "
-          f"{result['overhead_concurrent_ms_p50']:.1f} ms, p99 "
-          f"{result['overhead_concurrent_ms_p99']:.1f} ms; throughput endpoint / harness = "
-          f"{result['throughput_ratio']:.2f}")
+    if args.serve:
+        serve(args.serve, model_dir=args.model_dir, turns=args.turns, seed=args.seed,
+              batch=args.runs)
+        return 0
+    kinds = [k for k in args.engines.split(",") if k]
+    if not kinds or set(kinds) - {"scripted", "hf"}:
+        parser.error(f"--engines: scripted and/or hf, got {args.engines!r}")
+    model_dir = model_dir_for(args) if "hf" in kinds else ""
+    results = {kind: measure(kind, args, model_dir) for kind in kinds}
+    print_table(args, results)
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
+        pathlib.Path(args.json).write_text(json.dumps(
+            {"seed": args.seed, "runs": args.runs, "turns": args.turns, **results}, indent=2))
     return 0
-
-
-def harness_path_sync(fmt, args) -> dict:
-    return asyncio.run(harness_path(fmt, runs=args.runs, turns=args.turns, seed=args.seed))
 
 
 if __name__ == "__main__":

@@ -1,34 +1,32 @@
-"""Bring your own agent: an agent written only against the ``openai`` package, trained with RL.
+"""Bring your own agent: an agent written only against the ``openai`` package, trained with RL on
+elastic cells.
 
 The agent (:func:`agent`) is a plain function-calling loop: it knows nothing of ray_xlong. It
-gets an OpenAI base URL and a task, owns its tools (``lookup`` in a hidden table, ``add`` for
-sums it does not need here), and answers with text. ray_xlong gives each run a base URL on the
-cell's endpoint, records every call token-exactly, scores the run and trains on it::
+gets an OpenAI base URL and a task, asks the endpoint which model it serves, owns its tools
+(``lookup`` in a hidden table, ``add`` for sums it does not need here) and answers with text.
+ray_xlong runs it as the job's task on the real cell runtime::
 
-    tiny ChatML model (chatml_tiny), warm-started on the tool format (look up *some* key,
-    answer its value)
-    for step in 1..N:
-        G tasks × R runs:  run_agent(endpoint, AgentTask(task, scorer, agent=agent))   (HTTP)
-        recorded runs ──► TrajectoryProcessor (one trajectory per run, count-once)
-        ──► PPO/TIS step on the learner ──► new weights to the endpoint's engine (version += 1)
+    embedded local Ray, 2 elastic cells (each: a rollout runner with an HF | vLLM engine and
+    its OpenAI-compatible endpoint, and a Learner), tiny ChatML model warm-started on the tool
+    format (look up *some* key, answer its value)
+    each run: the driver starts it on a rollout cell ─► the runner opens it on that cell's
+        endpoint and hands the agent that cell's base URL ─► the agent's calls are recorded
+        token-exactly ─► the run ends on the cell, is scored (:func:`scorer`) and processed
+        there ─► digests to the driver ─► a training cell trains it (PPO/TIS, count-once tree)
+    cells switch between rollout and training on their own (elastic; staleness bound 0)
 
 Reward: 1 for the right value, 0.2 for looking the right key up but answering wrong. RL has to
 learn to copy the asked key into the call (see ``rollout/tasks/lookup.py``).
 
-    python examples/openai_agent.py [--steps 30] [--groups 8] [--runs-per-group 8] [--seed 1]
+    python examples/openai_agent.py [--steps 30] [--groups 4] [--runs-per-group 8] [--seed 1]
+                                    [--engine hf|vllm] [--json curve.json]
 
-Measured (``--steps 30 --groups 4 --runs-per-group 8 --seed 1``, 2 shared cores): mean reward
-of the first 3 steps 0.287 → last 3 steps 0.731 (+0.444), one trajectory per run, 0 failed.
-
-This loop is local (one process: learner, HF engine, endpoint); on cells, register the task
-with ``ray_xlong.serving.agents.register_agent_task`` and the runners start it like a built-in
-task through their own endpoint.
+Measured: see the README's "Bring your own agent" section (first 3 steps vs last 3 / last 5).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import pathlib
 import sys
@@ -47,31 +45,37 @@ TOOLS = [
             "key": {"type": "integer", "minimum": 0, "maximum": 9}},
             "required": ["key"], "additionalProperties": False}}},
 ]
+AGENT_NAME = "openai-lookup"
+"""The name the agent is registered under in every runner (the job's task)."""
 
 
 # -- the agent: only the openai package -----------------------------------------------------
 async def agent(base_url: str, task: dict) -> None:
     """A function-calling loop: call tools until the model answers (at most 4 turns)."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    model = (await client.models.list()).data[0].id
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"What is the value of key {task['key']}?"}]
-    for _ in range(4):
-        r = await client.chat.completions.create(model=task["model"], messages=messages,
-                                                 tools=TOOLS, max_tokens=24, temperature=1.0)
-        msg = r.choices[0].message
-        messages.append(msg.model_dump(exclude_none=True))
-        if not msg.tool_calls:
-            task["answer"] = (msg.content or "").strip()
-            return
-        for call in msg.tool_calls:
-            try:
-                key = str(json.loads(call.function.arguments)["key"])
-                result = task["table"].get(key, f"error: no key {key}")
-            except (ValueError, KeyError, TypeError):
-                result = "error: lookup takes {\"key\": <int>}"
-            task["looked_up"].append(key if "error" not in result else None)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    await client.close()
+    try:
+        for _ in range(4):
+            r = await client.chat.completions.create(model=model, messages=messages,
+                                                     tools=TOOLS, max_tokens=24,
+                                                     temperature=1.0)
+            msg = r.choices[0].message
+            messages.append(msg.model_dump(exclude_none=True))
+            if not msg.tool_calls:
+                task["answer"] = (msg.content or "").strip()
+                return
+            for call in msg.tool_calls:
+                try:
+                    key = str(json.loads(call.function.arguments)["key"])
+                    result = task["table"].get(key, f"error: no key {key}")
+                except (ValueError, KeyError, TypeError):
+                    result = "error: lookup takes {\"key\": <int>}"
+                task["looked_up"].append(key if "error" not in result else None)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    finally:
+        await client.close()
 
 
 def scorer(task: dict, outcome) -> float:
@@ -81,90 +85,99 @@ def scorer(task: dict, outcome) -> float:
     return 0.2 if task["key"] in task["looked_up"] else 0.0
 
 
-# -- training (ray_xlong) -------------------------------------------------------------------
-def make_task(seed: int, model: str) -> dict:
+def make_task(seed: int) -> dict:
+    """The task handed to :func:`agent`: the lookup instance of ``seed`` (its hidden table)."""
     from ray_xlong.rollout.tasks.lookup import LookupTask
 
     t = LookupTask(seed)
-    return {"key": t.key, "table": dict(t.table), "model": model, "looked_up": []}
+    return {"key": t.key, "table": dict(t.table), "looked_up": []}
 
 
-def build(seed: int, workdir: pathlib.Path):
-    """The warm-started tiny ChatML policy (``task_job.warm_started_model_dir``, cached), the
-    learner, and a threaded endpoint on an HF engine of the same weights."""
-    import torch
+def make_agent_task(seed: int):
+    """The job's task: ``make(seed) -> AgentTask`` (this agent on :func:`make_task`)."""
+    from ray_xlong.serving.agents import AgentTask
 
-    from ray_xlong.models import load_model
+    return AgentTask(make_task(seed), scorer, agent=agent)
+
+
+# -- training (ray_xlong) -------------------------------------------------------------------
+def train(*, steps: int, seed: int, groups: int, runs_per_group: int, engine: str,
+          workdir: str, cells: int = 2, warm=None, on_step=None) -> dict:
+    """Elastic RL of :func:`agent` on ``cells`` local cells; returns the reward curve and
+    timings."""
     from ray_xlong.cells.task_job import warm_started_model_dir
+    from ray_xlong.rllib.algorithm_config import XLongConfig
     from ray_xlong.rollout.tasks.lookup import LookupTask
-    from ray_xlong.serving.server import ThreadedEndpoint, build_endpoint
+    from ray_xlong.sim.metrics import role_switches
+    from ray_xlong.tools.train import ensure_ray
 
     assert list(LookupTask(0).tools) == TOOLS, "the agent's tools are the warm start's"
-    torch.manual_seed(seed)
-    model_dir = pathlib.Path(warm_started_model_dir(workdir, seed=seed, style="chatml_tiny"))
-    learner = load_model(model_dir)
-    hosted = ThreadedEndpoint(lambda: build_endpoint(model_dir, engine="hf", seed=seed,
-                                                     max_batch_size=256))
-    return model_dir, learner, hosted
-
-
-async def rollout_step(endpoint, *, step: int, seeds, runs_per_group: int, model: str):
-    from ray_xlong.serving.agents import AgentTask, run_agent
-
-    jobs = []
-    for g, seed in enumerate(seeds):
-        for r in range(runs_per_group):
-            spec = AgentTask(make_task(int(seed), model), scorer, agent=agent)
-            jobs.append(run_agent(endpoint, spec, run_id=f"s{step}g{g}r{r}",
-                                  group_id=f"s{step}g{g}"))
-    return [res.run for res in await asyncio.gather(*jobs)]
+    t0 = time.perf_counter()
+    model_dir = warm_started_model_dir(workdir, seed=seed, warm=warm, style="chatml_tiny")
+    t1 = time.perf_counter()
+    ensure_ray(cpus=max(2, cells), gpus=cells)
+    config = (XLongConfig().debugging(seed=seed)
+              .training(train_batch_size_per_learner=groups * runs_per_group)
+              .xlong(mode="elastic", cells=cells, runs_per_group=runs_per_group, engine=engine,
+                     model_dir=model_dir, staleness_bound=0, placement_strategy="PACK",
+                     task=AGENT_NAME, agent_task=make_agent_task))
+    algo = config.build_algo()
+    t2 = time.perf_counter()
+    try:
+        for _ in range(steps):
+            algo.train()
+            if on_step is not None:
+                on_step(algo.reports[-1])
+        events = algo.events()
+    finally:
+        algo.stop()
+    rewards = [r.reward_mean for r in algo.reports]
+    return {"seed": seed, "engine": engine, "rewards": rewards,
+            "runs": sum(r.runs for r in algo.reports),
+            "role_switches": sum(role_switches(events).values()),
+            "warm_start_s": t1 - t0, "startup_s": t2 - t1, "train_s": time.perf_counter() - t2}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--runs-per-group", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--seed", type=int, default=1)
+    from ray_xlong.cli_args import int_at_least
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int_at_least(1), default=30)
+    parser.add_argument("--groups", type=int_at_least(1), default=4)
+    parser.add_argument("--runs-per-group", type=int_at_least(2), default=8)
+    parser.add_argument("--seed", type=int_at_least(0), default=1)
+    parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     parser.add_argument("--workdir", default=".cache/ray_xlong", help="warm-start cache")
     parser.add_argument("--json", default=None, help="write the reward curve here")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny budget (CI): 2 steps of 2 groups x 2 runs, a short warm start")
     args = parser.parse_args(argv)
-    import torch
+    warm = None
+    if args.smoke:
+        from ray_xlong.rollout.lookup_recipe import WarmStartConfig
 
-    from ray_xlong.tools.local_rl import push_weights, train_step
-    from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor
-    from ray_xlong.trajectory.packing import micro_batches
+        args.steps, args.groups, args.runs_per_group = 2, 2, 2
+        warm = WarmStartConfig(clean_steps=5, noisy_steps=2, min_accuracy=0.0)  # plumbing only
 
-    t0 = time.perf_counter()
-    model_dir, learner, hosted = build(args.seed, pathlib.Path(args.workdir))
-    name = model_dir.name
-    opt = torch.optim.AdamW(learner.parameters(), lr=args.lr, weight_decay=0.0)
-    processor = TrajectoryProcessor(ProcessorConfig(pack="per_trajectory"))
-    curve = []
-    print(f"warm start + endpoint {hosted.url}: {time.perf_counter() - t0:.0f} s", flush=True)
-    try:
-        for step in range(1, args.steps + 1):
-            seeds = np.random.default_rng([args.seed, step]).integers(0, 2**31, args.groups)
-            runs = hosted.call(rollout_step(hosted.endpoint, step=step, seeds=seeds,
-                                            runs_per_group=args.runs_per_group, model=name),
-                               timeout=900)
-            reward = float(np.mean([r.reward for r in runs]))
-            trainable = [r for r in runs if r.status != "failed"]
-            batch = processor.process(trainable)
-            stats = train_step(learner, opt, micro_batches(batch.packed, max_tokens=8192))
-            hosted.call(push_weights(learner, hosted.endpoint.engine, version=step))
-            per_run = len(batch.trajectories) / max(len(trainable), 1)
-            curve.append(reward)
-            print(f"step {step:3d}  reward {reward:.3f}  trajectories/run {per_run:.2f}  "
-                  f"failed {len(runs) - len(trainable)}  loss {stats.loss:+.4f}", flush=True)
-    finally:
-        hosted.close()
-    first, last = np.mean(curve[:3]), np.mean(curve[-3:])
-    print(f"\nreward first 3 steps {first:.3f} -> last 3 steps {last:.3f} "
-          f"(rise {last - first:+.3f}); {time.perf_counter() - t0:.0f} s")
+    def on_step(report) -> None:
+        print(f"step {report.version:3d}  reward {report.reward_mean:.3f}  runs {report.runs}  "
+              f"tokens {report.tokens_trained}  {report.step_s:.1f} s", flush=True)
+
+    out = train(steps=args.steps, seed=args.seed, groups=args.groups,
+                runs_per_group=args.runs_per_group, engine=args.engine, workdir=args.workdir,
+                warm=warm, on_step=on_step)
+    r = np.asarray(out["rewards"])
+    k = min(3, len(r))
+    out["reward_first3"], out["reward_last3"] = float(r[:k].mean()), float(r[-k:].mean())
+    out["reward_last5"] = float(r[-min(5, len(r)):].mean())
+    print(f"\nelastic on {args.engine}, seed {args.seed}: reward first 3 steps "
+          f"{out['reward_first3']:.3f} -> last 3 {out['reward_last3']:.3f} (rise "
+          f"{out['reward_last3'] - out['reward_first3']:+.3f}; last 5 "
+          f"{out['reward_last5']:.3f}); {out['runs']} runs, {out['role_switches']} role "
+          f"switches; warm start {out['warm_start_s']:.0f} s, cells up {out['startup_s']:.0f} s, "
+          f"training {out['train_s']:.0f} s")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"rewards": curve, "seed": args.seed}))
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 

@@ -5,7 +5,13 @@ learnable-task answer (the long-horizon oracle job is ``long_horizon_job.LongHor
 
     spec(run, runs_per_group)   RunSpec(task, task seed of the run's group, "r{run}", "g{group}")
     tasks()                     {}  (the task is built in: ray_xlong.rollout.tasks.TASKS)
+    agent_tasks()               {task: agent} when the task is an external agent, else {}
     engine_factory(model_dir)   None (each runner builds its ``RolloutConfig.backend`` engine)
+
+With ``agent`` (``make(seed) -> serving.agents.AgentTask``) the task is an external agent
+registered under ``task`` in every runner: a run started on a cell is opened on that cell's
+endpoint and the agent gets that endpoint's base URL (``rllib/env_runner.py``); its recording
+ends on the cell and is processed there like a harness run.
 
 Runs of one group share a task seed (GRPO groups); group ``g`` of a job that started at
 ``group_offset`` draws the seed of global group ``group_offset + g``, so a job restarted from a
@@ -23,6 +29,8 @@ import dataclasses
 import hashlib
 import json
 import pathlib
+
+from typing import Any, Callable
 
 import numpy as np
 
@@ -47,11 +55,21 @@ class TaskJob:
     """Seed of the task instances."""
     group_offset: int = 0
     """Global index of this job's group 0 (a restored job continues after earlier groups)."""
+    agent: Callable[[int], Any] | None = None
+    """An external agent as the task: ``make(seed) -> serving.agents.AgentTask`` (picklable),
+    registered under ``task`` in every runner; None: ``task`` is a built-in task."""
 
     def __post_init__(self) -> None:
         from ray_xlong.rollout.tasks import TASKS
 
-        if self.task not in TASKS:
+        if self.agent is not None:
+            if not callable(self.agent) or not isinstance(self.task, str) or not self.task \
+                    or self.task in TASKS:
+                raise ValueError(f"TaskJob: with agent= the task is a new name for the external "
+                                 f"agent (not a built-in task {sorted(TASKS)}) and agent is "
+                                 f"make(seed) -> AgentTask; got task={self.task!r}, "
+                                 f"agent={self.agent!r}")
+        elif self.task not in TASKS:
             raise ValueError(f"TaskJob.task must be one of {sorted(TASKS)}, got {self.task!r}")
         if self.group_offset < 0:
             raise ValueError(f"TaskJob.group_offset must be >= 0, got {self.group_offset!r}")
@@ -67,8 +85,12 @@ class TaskJob:
         return RunSpec(self.task, self.task_seed(group), run_key(run), group_key(group))
 
     def tasks(self) -> dict:
-        """Nothing to register: the task is built in."""
+        """Nothing to register: the task is built in (or an external agent)."""
         return {}
+
+    def agent_tasks(self) -> dict:
+        """``{task: agent}`` to register in every runner (``{}`` for a built-in task)."""
+        return {self.task: self.agent} if self.agent is not None else {}
 
     def engine_factory(self, model_dir: str) -> None:
         """None: runners build their configured backend (hf | vllm)."""

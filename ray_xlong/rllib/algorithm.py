@@ -105,6 +105,7 @@ class XLongAlgorithm(Algorithm):
         actors = cell_actors(rollout=rollout, learner=self.job.learner,
                              processor=self.job.processor, seed=int(self.config.seed or 0),
                              spool_dir=self.job.spool_dir,
+                             agent_tasks=self.job.work.agent_tasks(),
                              learner_connector=self.config._learner_connector)
         self.pool = create_cells(self.job.layout, actors=actors)
         self.actuator: SteppingActuator | None = None

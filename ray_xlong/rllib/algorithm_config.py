@@ -24,7 +24,7 @@ cell layer's job record (``config.CellJobConfig``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
 
@@ -70,7 +70,11 @@ class XLongOptions:
     engine: str = "hf"
     """Inference backend of rollout cells: ``hf`` | ``vllm``."""
     task: str = "lookup"
-    """Registered task every run does."""
+    """Registered task every run does (with ``agent_task``: the external agent's name)."""
+    agent_task: Callable[[int], Any] | None = None
+    """An external agent as the task: ``make(seed) -> ray_xlong.serving.agents.AgentTask``
+    (picklable), registered as ``task`` in every runner; each run is opened on the endpoint of
+    the cell it starts on and the agent gets that cell's base URL. None: a built-in task."""
     model_dir: str | None = None
     """Policy directory (model + tokenizer); ``rl_module(model_config={"model_dir": ...})``
     overrides it. Required to build."""
@@ -121,7 +125,14 @@ class XLongOptions:
         _check(self.poll_s > 0, "poll_s", "> 0", self.poll_s)
         from ray_xlong.rollout.tasks import TASKS
 
-        _check(self.task in TASKS, "task", f"one of {sorted(TASKS)}", self.task)
+        if self.agent_task is None:
+            _check(self.task in TASKS, "task", f"one of {sorted(TASKS)}", self.task)
+        else:
+            _check(callable(self.agent_task), "agent_task", "make(seed) -> AgentTask",
+                   self.agent_task)
+            _check(isinstance(self.task, str) and bool(self.task) and self.task not in TASKS,
+                   "task", f"a new name for the external agent (not one of {sorted(TASKS)})",
+                   self.task)
 
 
 def _check(ok: bool, field: str, want: str, got: Any) -> None:
@@ -149,7 +160,8 @@ class XLongConfig(AlgorithmConfig):
               slots_per_cell: int = NotProvided, async_rollout_cells: int = NotProvided,
               runs_per_group: int = NotProvided, max_trajectories_per_run: int = NotProvided,
               staleness_bound: int = NotProvided, micro_batch_tokens: int = NotProvided,
-              engine: str = NotProvided, task: str = NotProvided, model_dir: str = NotProvided,
+              engine: str = NotProvided, task: str = NotProvided,
+              agent_task: Callable[[int], Any] = NotProvided, model_dir: str = NotProvided,
               dtype: str = NotProvided, loss: LossConfig = NotProvided, pack: str = NotProvided,
               normalize_std: bool = NotProvided, harness: HarnessConfig = NotProvided,
               max_steps: int = NotProvided, poll_s: float = NotProvided,
@@ -226,7 +238,8 @@ class XLongConfig(AlgorithmConfig):
                               strategy=opt.placement_strategy),
             learner=learner, slots_per_cell=opt.slots_per_cell,
             async_rollout_cells=opt.async_rollout_cells,
-            work=TaskJob(opt.task, seed=int(self.seed or 0), group_offset=group_offset),
+            work=TaskJob(opt.task, seed=int(self.seed or 0), group_offset=group_offset,
+                         agent=opt.agent_task),
             harness=opt.harness,
             processor=ProcessorConfig(max_trajectories_per_run=opt.max_trajectories_per_run,
                                       pack=opt.pack, normalize_std=opt.normalize_std),

@@ -27,6 +27,7 @@ from ray_xlong.rllib.episodes import run_to_episode
 from ray_xlong.rllib.learner import ConnectorBatches, XLongLearner, learner_config
 from ray_xlong.rollout.run_stats import run_stats
 from ray_xlong.rollout.tasks import TASKS, TaskFactory, register_task
+from ray_xlong.serving.agents import register_agent_task
 from ray_xlong.trajectory import ProcessorConfig
 from ray_xlong.trajectory.per_run import RunDigest, process_run
 
@@ -41,10 +42,13 @@ class CellRunner(AgentEnvRunner):
     def __init__(self, *, config: Any, rollout_config: RolloutConfig,
                  tasks: Mapping[str, TaskFactory], cell: int = -1,
                  spool_dir: str | None = None,
-                 processor: ProcessorConfig = ProcessorConfig()) -> None:
+                 processor: ProcessorConfig = ProcessorConfig(),
+                 agent_tasks: Mapping[str, Callable[[int], Any]] | None = None) -> None:
         for name, factory in tasks.items():
             if name not in TASKS:
                 register_task(name, factory)
+        for name, make in (agent_tasks or {}).items():     # external agents (serving.agents)
+            register_agent_task(name, make)
         self.cell = cell
         self.processor = processor
         self.spool = RunSpool(spool_dir) if spool_dir else None
@@ -131,9 +135,11 @@ def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
                 tasks: Mapping[str, TaskFactory] | None = None, seed: int = 0,
                 spool_dir: str | None = None,
                 learner_connector: Callable[..., Any] | None = None,
-                sharding: Any = None) -> CellActors:
+                sharding: Any = None,
+                agent_tasks: Mapping[str, Callable[[int], Any]] | None = None) -> CellActors:
     """The runner (:class:`CellRunner` on ``rollout``: processes each run where it ended with
-    ``processor``; ``tasks`` registered in it; ended runs spooled to ``spool_dir`` when given)
+    ``processor``; ``tasks`` registered in it, and ``agent_tasks`` (external agents:
+    ``make(seed) -> AgentTask``, run through the cell's endpoint); ended runs spooled to ``spool_dir`` when given)
     and the learner (:class:`XLongLearner` on ``learner``, seeded; its Learner connector
     pipeline runs the user's ``learner_connector`` pieces, then ``PrefixTreeConnector``). With
     ``sharding`` of more than one rank (or on CUDA) a cell's learner is a set of ranks instead,
@@ -146,7 +152,7 @@ def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
         runner_class=CellRunner,
         runner_kwargs={"config": AlgorithmConfig(), "rollout_config": rollout,
                        "tasks": dict(tasks or {}), "spool_dir": spool_dir,
-                       "processor": processor},
+                       "processor": processor, "agent_tasks": dict(agent_tasks or {})},
         learner_class=XLongLearner,
         learner_kwargs={"config": config, "module_spec": spec},
         learner_settings=learner, sharding=sharding, batch_of=ConnectorBatches(config))

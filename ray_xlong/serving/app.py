@@ -13,7 +13,9 @@
     POST /drain | /undrain, GET /health the cell's role
 
 Requests and responses are vLLM's protocol models (``responses.py``); prompts are token-exact
-(``prompts.py``); every answered request is one whole ``ModelCall`` (``runs.py``).
+(``prompts.py``); every answered request is one whole ``ModelCall`` (``runs.py``). A chat
+request's messages that repeat its agent's previous request are not schema-checked again
+(``_unvalidated``: the check's cost would grow with the history on every call).
 
 Bad input is an HTTP error in OpenAI's shape ``{"error": {"message", "type", "code"}}``:
 malformed JSON / schema failure / unsupported field / ``max_tokens`` past the context → 400;
@@ -192,7 +194,7 @@ class Endpoint:
         except ValueError as exc:
             raise HTTPError(400, str(exc)) from None
         try:
-            req = schema.model_validate(body)
+            req = schema.model_validate(_unvalidated(body, run.validated.get(tag.agent_id)))
         except pydantic.ValidationError as exc:
             raise HTTPError(400, "request does not match the schema: " + "; ".join(
                 f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
@@ -256,16 +258,17 @@ class Endpoint:
     async def _chat(self, run_id: str, request: Request) -> Response:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        run, tag, req = self._prepare(run_id, request, ChatCompletionRequest,
-                                      await _json(request))
+        body = await _json(request)
+        run, tag, req = self._prepare(run_id, request, ChatCompletionRequest, body)
         if self.fmt is None:
             raise HTTPError(400, "this model has no chat template: use completions")
         tools = tuple(t.model_dump(mode="json", exclude_none=True) for t in req.tools or ())
         try:
-            messages = normalize(req.messages)
+            messages = normalize(body["messages"])     # as sent: the schema passed (above)
             prompt = build_prompt(self.fmt, run.agents.get(tag.agent_id), messages, tools)
         except (MessageError, ChatFormatError) as exc:
             raise HTTPError(400, str(exc)) from None
+        run.validated[tag.agent_id] = body["messages"]
         sampling = self._sampling(run, req, int(prompt.ids.size), self.fmt.stop_token_ids)
         started = time.time()
         try:
@@ -292,7 +295,7 @@ class Endpoint:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(responses.chat_stream(body, include_usage=usage),
                                      media_type="text/event-stream")
-        return JSONResponse(body.model_dump(mode="json"))
+        return Response(body.model_dump_json(), media_type="application/json")
 
     async def _completions(self, run_id: str, request: Request) -> Response:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -322,7 +325,19 @@ class Endpoint:
             self.fmt, self.tokenizer, model=self.config.model_name, prompt_ids=ids,
             result=result, logprobs=req.logprobs is not None,
             token_ids=bool(req.return_token_ids))
-        return JSONResponse(body.model_dump(mode="json"))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _unvalidated(body: dict, known: list | None) -> dict:
+    """What of a request still needs the schema: a chat request's messages that repeat the
+    agent's previous request's (validated then) are left out — validating vLLM's message union
+    costs ~0.15 ms a message, so a long agent would pay for its whole history on every call.
+    At least the last message is always validated (the schema wants one)."""
+    msgs = body.get("messages")
+    if not known or not isinstance(msgs, list) or len(msgs) < len(known) \
+            or msgs[:len(known)] != known:
+        return body
+    return dict(body, messages=msgs[len(known):] or msgs[-1:])
 
 
 async def _json(request: Request) -> dict:

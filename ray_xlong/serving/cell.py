@@ -4,8 +4,10 @@ A rollout cell's runner hosts the endpoint on its own event loop, on the same en
 built-in runs use (``attach``): a run opened through the endpoint is a live run of the cell
 (the cell may not sleep while it has one), a draining cell refuses new endpoint runs and keeps
 serving live ones, and the driver hands each run the URL of the cell it was started on
-(``AgentEnvRunner.endpoint_url``). External-agent tasks (``agents.AGENT_TASKS``) start like
-built-in tasks; their runs end on the cell like any other.
+(``AgentEnvRunner.endpoint_url``). External-agent tasks (``agents.AGENT_TASKS``; a job's
+``XLongOptions.agent_task``, registered in every runner) start like built-in tasks: the runner
+opens the run on its own endpoint and hands the agent that base URL; the run ends on the cell
+and is processed there like any other.
 
 ``ray-xlong serve``::
 

@@ -78,6 +78,8 @@ class LiveRun:
     rewrites: int = 0
     last_answer: str = ""
     limits: RunLimits | None = None
+    validated: dict[str, list] = dataclasses.field(default_factory=dict)
+    """Per agent: the messages of its last answered chat request, as sent (schema-checked)."""
 
 
 class RunRegistry:

@@ -1,4 +1,4 @@
-"""Smoke run of benchmarks/endpoint.py: tiny budget, the table and the JSON shape."""
+"""Smoke run of benchmarks/endpoint.py: tiny budget, both engines, the tables and the JSON shape."""
 
 from __future__ import annotations
 
@@ -17,10 +17,16 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "endpoint.
 def test_endpoint_benchmark_smoke(tmp_path):
     out = tmp_path / "endpoint.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--runs", "2", "--turns", "2",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           "--engines", "scripted,hf", "--quick-warm", "--workdir",
+                           str(tmp_path / "cache"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| path | calls | wall s | calls/s | trajectories/run | finished |" in proc.stdout
+    assert "| engine | path | calls | tokens | wall s | calls/s | tokens/s |" in proc.stdout
+    assert "| engine | overhead p50 ms (one run) |" in proc.stdout
     data = json.loads(out.read_text())
-    assert data["harness"]["calls"] == data["endpoint"]["calls"] == 6
-    assert data["endpoint"]["trajectories_per_run"] == 1.0
-    assert data["overhead_ms_p99"] >= data["overhead_ms_p50"] and data["throughput_ratio"] > 0
+    scripted, hf = data["scripted"], data["hf"]
+    assert scripted["harness"]["calls"] == scripted["endpoint"]["calls"] == 6   # 2 runs x 3
+    assert scripted["endpoint"]["trajectories_per_run"] == 1.0
+    assert hf["endpoint"]["calls"] >= 2 and hf["harness"]["calls"] >= 2
+    for res in (scripted, hf):
+        assert res["overhead_ms_p99"] >= res["overhead_ms_p50"] and res["throughput_ratio"] > 0

@@ -52,3 +52,24 @@ def test_template_policy_has_its_own_cache_entry_and_chat_format(tmp_path):
     fmt = load_chat_format(chatml)
     assert isinstance(fmt, TemplateFormat) and fmt.parser.name == "hermes"
     assert json.loads((chatml / "xlong_chat.json").read_text())["format"] == "template"
+
+
+def _make_agent(seed: int):
+    return seed
+
+
+def test_an_external_agent_task_is_registered_under_its_own_name():
+    from ray_xlong.cells.task_job import TaskJob
+    from ray_xlong.rllib.algorithm_config import XLongOptions
+
+    job = TaskJob("my-agent", seed=3, agent=_make_agent)
+    assert job.agent_tasks() == {"my-agent": _make_agent} and job.tasks() == {}
+    assert job.spec(9, runs_per_group=4).task == "my-agent"
+    assert TaskJob("lookup").agent_tasks() == {}
+    with pytest.raises(ValueError, match="not a built-in task"):
+        TaskJob("lookup", agent=_make_agent)             # the agent needs a name of its own
+    with pytest.raises(ValueError, match="XLongOptions.task"):
+        XLongOptions(task="lookup", agent_task=_make_agent)
+    with pytest.raises(ValueError, match="XLongOptions.agent_task"):
+        XLongOptions(task="my-agent", agent_task="not callable")
+    assert XLongOptions(task="my-agent", agent_task=_make_agent).agent_task is _make_agent

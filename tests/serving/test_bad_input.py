@@ -34,6 +34,26 @@ def test_malformed_json_and_schema_failures_are_400_with_the_reason(serve):
         chat(base, stop=["\n"])
 
 
+def test_every_new_message_is_schema_checked_though_a_repeated_history_is_not(serve):
+    # the endpoint validates only what a request adds to the agent's previous request
+    # (app._unvalidated): a bad new message, or a bad edit of the history, is still a 400
+    ep = serve()
+    base = open_run(ep.url)["base_url"]
+    msg = chat(base).choices[0].message.model_dump(exclude_none=True)
+    post = lambda messages: httpx.post(f"{base}/chat/completions",    # noqa: E731
+                                       json={"model": MODEL, "messages": messages,
+                                             "tools": TOOLS})
+    bad_new = post(HELLO + [msg, {"role": "tool", "tool_call_id": "x", "content": 5}])
+    assert bad_new.status_code == 400 and "messages" in bad_new.json()["error"]["message"]
+    bad_edit = post([{"role": "user", "content": 7}, msg,
+                     {"role": "tool", "tool_call_id": "x", "content": "4"}])
+    assert bad_edit.status_code == 400 and "messages" in bad_edit.json()["error"]["message"]
+    good = post(HELLO + [msg, {"role": "tool", "tool_call_id": "x", "content": "4"}])
+    assert good.status_code == 200
+    rec = end_run(ep.url, base.split("/runs/")[1].split("/")[0]).text.splitlines()
+    assert len(rec) == 3                                # run line + the two answered calls
+
+
 def test_unknown_model_and_max_tokens_beyond_the_context(serve):
     ep = serve(max_model_len=512)
     base = open_run(ep.url)["base_url"]
