@@ -82,7 +82,7 @@ def stage_engine(ctx: Ctx) -> dict:
     stats = engines.stats()
     return {"seconds": seconds, "engines": len(engines.engines), "runs": len(results),
             "calls": stats.requests, "output_tok_per_s": stats.output_tokens / seconds,
-            "runs_per_engine": engines.runs_served}
+            "runs_per_engine": list(engines.runs_served)}  # a copy: later stages serve more
 
 
 def stage_sleep_wake(ctx: Ctx) -> dict:
