@@ -21,13 +21,17 @@ Engines:
   not identical, calls): **a user's throughput**.
 
 Per-call overhead = client-observed latency of a call − the engine time the endpoint recorded
-for it (``ModelCall.end_time − start_time``): HTTP both ways, JSON, schema validation, message
-normalization, the prompt delta, tool-call parsing, the response, and the ``openai`` client's
-own work. Measured with one run at a time (the call's own cost) and under the concurrent runs
-(+ queueing behind the other runs' requests on the endpoint's one event loop). Throughput =
-model calls (and generated tokens) per second of wall time; the ratio is endpoint ÷ harness.
-Trajectories per run come from the trajectory processor on each path's recorded runs. A warm-up
-run on each path is not counted.
+for it (``ModelCall.end_time − start_time``), split apart per call: **endpoint** = the call's
+time on the wire (the HTTP transport under the openai client wrapped: request handed over →
+response body read) − engine time: HTTP both ways, JSON, schema validation, message
+normalization, the prompt delta, tool-call parsing, the response; **client** = latency − time on
+the wire: the ``openai`` client's own work (building and type-transforming the request — it walks
+every message of the history each call — and parsing the response), which any server would see.
+Measured with one run at a time (the call's own cost) and under the concurrent runs (+ queueing
+behind the other runs' requests on the endpoint's one event loop, and behind the other agents'
+client work in this one process). Throughput = model calls (and generated tokens) per second
+of wall time; the ratio is endpoint ÷ harness. Trajectories per run come from the trajectory
+processor on each path's recorded runs. A warm-up run on each path is not counted.
 
     python benchmarks/endpoint.py [--seed 0] [--runs 16] [--turns 10] [--engines scripted,hf]
                                   [--workdir .cache/ray_xlong] [--json out.json]
