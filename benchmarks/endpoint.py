@@ -21,13 +21,17 @@ Engines:
   not identical, calls): **a user's throughput**.
 
 Per-call overhead = client-observed latency of a call − the engine time the endpoint recorded
-for it (``ModelCall.end_time − start_time``): HTTP both ways, JSON, schema validation, message
-normalization, the prompt delta, tool-call parsing, the response, and the ``openai`` client's
-own work. Measured with one run at a time (the call's own cost) and under the concurrent runs
-(+ queueing behind the other runs' requests on the endpoint's one event loop). Throughput =
-model calls (and generated tokens) per second of wall time; the ratio is endpoint ÷ harness.
-Trajectories per run come from the trajectory processor on each path's recorded runs. A warm-up
-run on each path is not counted.
+for it (``ModelCall.end_time − start_time``), split apart per call: **endpoint** = the call's
+time on the wire (the HTTP transport under the openai client wrapped: request handed over →
+response body read) − engine time: HTTP both ways, JSON, schema validation, message
+normalization, the prompt delta, tool-call parsing, the response; **client** = latency − time on
+the wire: the ``openai`` client's own work (building and type-transforming the request — it walks
+every message of the history each call — and parsing the response), which any server would see.
+Measured with one run at a time (the call's own cost) and under the concurrent runs (+ queueing
+behind the other runs' requests on the endpoint's one event loop, and behind the other agents'
+client work in this one process). Throughput = model calls (and generated tokens) per second
+of wall time; the ratio is endpoint ÷ harness. Trajectories per run come from the trajectory
+processor on each path's recorded runs. A warm-up run on each path is not counted.
 
     python benchmarks/endpoint.py [--seed 0] [--runs 16] [--turns 10] [--engines scripted,hf]
                                   [--workdir .cache/ray_xlong] [--json out.json]
@@ -93,9 +97,9 @@ class LookupEnv:
 
 async def scripted_agent(base_url: str, task: dict) -> None:
     """The scripted workload's openai agent: answer every tool call until the model answers."""
-    import openai
+    from openai_agent import make_client
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    client = make_client(base_url)
     messages = [{"role": "system", "content": "Use the tools."},
                 {"role": "user", "content": "What is key 3?"}]
     try:
@@ -115,23 +119,44 @@ async def scripted_agent(base_url: str, task: dict) -> None:
 
 _LATENCIES: contextvars.ContextVar[list] = contextvars.ContextVar("latencies")
 """Where the running agent's chat calls are timed (one list per agent task)."""
+_WIRE: contextvars.ContextVar[list] = contextvars.ContextVar("wire")
+"""The same calls' time on the wire: request handed to the HTTP transport → response body read."""
 
 
 def time_openai_calls() -> None:
     """Make every ``openai.AsyncOpenAI`` of this process time its ``chat.completions.create``
-    calls (request sent → response parsed) into the current agent's ``_LATENCIES`` list: the
-    example agent makes its own client, unmodified."""
+    calls (request sent → response parsed) into the current agent's ``_LATENCIES`` list and
+    their HTTP exchange into ``_WIRE`` (its transport wrapped): the example agent makes its own
+    client, unmodified. ``latency − wire`` is the openai client's own work."""
+    import httpx
     import openai
 
     base = openai.AsyncOpenAI
     if getattr(base, "xlong_timed", False):
         return
 
+    class Wire(httpx.AsyncBaseTransport):
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        async def handle_async_request(self, request):
+            t = time.perf_counter()
+            response = await self.inner.handle_async_request(request)
+            if request.url.path.endswith("/chat/completions") and not \
+                    response.headers.get("content-type", "").startswith("text/event-stream"):
+                await response.aread()
+                _WIRE.get().append(time.perf_counter() - t)
+            return response
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
     class Timed(base):                                   # type: ignore[misc, valid-type]
         xlong_timed = True
 
         def __init__(self, **kwargs) -> None:
             super().__init__(**kwargs)
+            self._client._transport = Wire(self._client._transport)
             create = self.chat.completions.create
 
             async def timed(*a, **kw):
@@ -238,8 +263,9 @@ def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str
 
         time_openai_calls()
 
-        async def one(run_id: str, latencies: list[float], i: int) -> None:
-            _LATENCIES.set(latencies)
+        async def one(run_id: str, latencies: tuple[list, list], i: int) -> None:
+            _LATENCIES.set(latencies[0])
+            _WIRE.set(latencies[1])
             async with httpx.AsyncClient() as http:
                 base = (await http.post(f"{url}/runs", json={"group_id": "g",
                                                               "run_id": run_id})
@@ -249,8 +275,8 @@ def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str
             else:
                 await openai_agent.agent(base, openai_agent.make_task(seed + i))
 
-        def batch(ids: list[str]) -> tuple[float, list[list[float]]]:
-            lats: list[list[float]] = [[] for _ in ids]
+        def batch(ids: list[str]) -> tuple[float, list[tuple[list, list]]]:
+            lats: list[tuple[list, list]] = [([], []) for _ in ids]
 
             async def all_agents() -> None:
                 await asyncio.gather(*(one(r, lat, i)
@@ -283,13 +309,20 @@ def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str
             "overhead_alone": _overhead(alone, alone_lats)}
 
 
-def _overhead(recorded: list, latencies: list[list[float]]) -> list[float]:
-    out = []
-    for run, lats in zip(recorded, latencies):
-        if len(lats) != len(run.calls):
-            raise RuntimeError(f"run {run.run_id}: {len(lats)} timed calls, "
-                               f"{len(run.calls)} recorded")
-        out += [lat - (c.end_time - c.start_time) for c, lat in zip(run.calls, lats)]
+def _overhead(recorded: list, latencies: list[tuple[list, list]]) -> dict[str, list[float]]:
+    """Per call: ``total`` = client latency − engine time, split into ``endpoint`` (time on
+    the wire − engine time: HTTP both ways and the server) and ``client`` (latency − time on
+    the wire: the openai client's own work)."""
+    out: dict[str, list[float]] = {"total": [], "endpoint": [], "client": []}
+    for run, (lats, wire) in zip(recorded, latencies):
+        if not len(lats) == len(wire) == len(run.calls):
+            raise RuntimeError(f"run {run.run_id}: {len(lats)} timed calls ({len(wire)} on "
+                               f"the wire), {len(run.calls)} recorded")
+        for c, lat, w in zip(run.calls, lats, wire):
+            engine = c.end_time - c.start_time
+            out["total"].append(lat - engine)
+            out["endpoint"].append(w - engine)
+            out["client"].append(lat - w)
     return out
 
 
@@ -311,12 +344,18 @@ def measure(kind: str, args, model_dir: str) -> dict:
     h = harness_path(kind, **common)
     e = endpoint_path(kind, **common)
     hs, es = summarize(h), summarize(e)
-    alone, loaded = np.asarray(e["overhead_alone"]) * 1e3, np.asarray(e["overhead"]) * 1e3
+    def ms(part: str, which: str, q: float) -> float:
+        return float(np.percentile(np.asarray(e[which][part]) * 1e3, q))
     return {"harness": hs, "endpoint": es,
-            "overhead_ms_p50": float(np.percentile(alone, 50)),
-            "overhead_ms_p99": float(np.percentile(alone, 99)),
-            "overhead_concurrent_ms_p50": float(np.percentile(loaded, 50)),
-            "overhead_concurrent_ms_p99": float(np.percentile(loaded, 99)),
+            "overhead_ms_p50": ms("total", "overhead_alone", 50),
+            "overhead_ms_p99": ms("total", "overhead_alone", 99),
+            "overhead_concurrent_ms_p50": ms("total", "overhead", 50),
+            "overhead_concurrent_ms_p99": ms("total", "overhead", 99),
+            "endpoint_overhead_ms_p50": ms("endpoint", "overhead_alone", 50),
+            "endpoint_overhead_ms_p99": ms("endpoint", "overhead_alone", 99),
+            "client_ms_p50": ms("client", "overhead_alone", 50),
+            "client_ms_p99": ms("client", "overhead_alone", 99),
+            "endpoint_overhead_concurrent_ms_p50": ms("endpoint", "overhead", 50),
             "throughput_ratio": es["calls_per_s"] / hs["calls_per_s"],
             "token_throughput_ratio": es["tokens_per_s"] / hs["tokens_per_s"]}
 
@@ -344,12 +383,16 @@ def print_table(args, results: dict) -> None:
             print(f"| {kind} | {name} | {row['calls']} | {row['output_tokens']} | "
                   f"{row['wall_s']:.2f} | {row['calls_per_s']:.1f} | {row['tokens_per_s']:.0f} "
                   f"| {row['trajectories_per_run']:.2f} | {row['failed']} |")
-    print("\n| engine | overhead p50 ms (one run) | p99 | p50 (concurrent) | p99 | "
+    print("\n| engine | overhead p50 ms (one run) | p99 | of it endpoint p50 | p99 | of it "
+          "openai client p50 | p99 | p50 (concurrent) | p99 | endpoint p50 (concurrent) | "
           "calls/s ratio | tokens/s ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|" + "---:|" * 11)
     for kind, r in results.items():
         print(f"| {kind} | {r['overhead_ms_p50']:.2f} | {r['overhead_ms_p99']:.2f} | "
+              f"{r['endpoint_overhead_ms_p50']:.2f} | {r['endpoint_overhead_ms_p99']:.2f} | "
+              f"{r['client_ms_p50']:.2f} | {r['client_ms_p99']:.2f} | "
               f"{r['overhead_concurrent_ms_p50']:.2f} | {r['overhead_concurrent_ms_p99']:.2f} | "
+              f"{r['endpoint_overhead_concurrent_ms_p50']:.2f} | "
               f"{r['throughput_ratio']:.2f} | {r['token_throughput_ratio']:.2f} |")
 
 

@@ -10,7 +10,8 @@ belong to it), so the server is started *on that loop*::
 :class:`ThreadedEndpoint` builds the engine and the endpoint on a fresh loop in a daemon
 thread (tests, benchmarks, a cell runner that already has its own loop uses ``start_server``).
 :func:`build_endpoint` makes an endpoint for a model directory (HF or vLLM engine, the
-directory's chat template).
+directory's chat template). The socket has Nagle off, and a response's status line, headers and
+body leave in one write (:class:`_Coalescing`; uvicorn writes the head apart).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ async def start_server(endpoint: Endpoint, *, host: str = "127.0.0.1", port: int
     bound = sock.getsockname()[1]
     config = uvicorn.Config(endpoint.app, log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=5, access_log=False,
-                            http="httptools" if _has("httptools") else "h11")
+                            http=_one_write_protocol() if _has("httptools") else "h11")
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None    # type: ignore[method-assign]
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
@@ -63,6 +64,53 @@ async def start_server(endpoint: Endpoint, *, host: str = "127.0.0.1", port: int
         await asyncio.sleep(0.01)
     endpoint.url = f"http://{host}:{bound}"
     return Server(server, task, endpoint.url)
+
+
+class _Coalescing:
+    """A transport that holds a response's status line and headers until the next write (its
+    body) or the loop's next turn, whichever comes first: uvicorn writes them apart, i.e. two
+    ``send`` syscalls and two segments the client wakes up for (Nagle is off), ~0.4 ms each on
+    this machine (profiled). Order is kept; nothing is held past one loop turn or a close."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport, self._held = transport, b""
+        self._loop = asyncio.get_running_loop()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def write(self, data: bytes) -> None:
+        if self._held:
+            data, self._held = self._held + data, b""
+            self._transport.write(data)
+        elif data.startswith(b"HTTP/"):
+            self._held = bytes(data)
+            self._loop.call_soon(self.flush)
+        else:
+            self._transport.write(data)
+
+    def writelines(self, lines) -> None:
+        self.flush()
+        self._transport.writelines(lines)
+
+    def flush(self) -> None:
+        if self._held:
+            data, self._held = self._held, b""
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+
+def _one_write_protocol() -> type:
+    """uvicorn's httptools protocol on a :class:`_Coalescing` transport."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class OneWrite(HttpToolsProtocol):
+        def connection_made(self, transport) -> None:         # type: ignore[override]
+            super().connection_made(_Coalescing(transport))    # type: ignore[arg-type]
+    return OneWrite
 
 
 def _has(module: str) -> bool:
