@@ -84,7 +84,7 @@ class VLLMEngine(BatchingEngine):
         self._sleep_mode = False
         self._latest: Mapping[str, torch.Tensor] | None = None
         """The last weights loaded (reapplied when a CPU engine is rebuilt at wake-up)."""
-        self._pending = False
+        self._weights_pending = False
         """Whether ``_latest`` arrived while asleep and is not loaded yet."""
         self._build()
         vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
@@ -130,10 +130,10 @@ class VLLMEngine(BatchingEngine):
         self._latest = state_dict
 
     def _stash_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        self._latest, self._pending = state_dict, True   # loaded at wake-up
+        self._latest, self._weights_pending = state_dict, True   # loaded at wake-up
 
     def _release(self) -> None:
-        self._pending = False
+        self._weights_pending = False
         try:
             self.llm.sleep(level=self.sleep_level)
             self._sleep_mode = True
@@ -146,7 +146,7 @@ class VLLMEngine(BatchingEngine):
     def _restore(self) -> None:
         if self._sleep_mode:
             self.llm.wake_up(tags=["weights"])
-            if self._pending and self._latest is not None:
+            if self._weights_pending and self._latest is not None:
                 self._load_weights(self._latest)
             self.llm.wake_up()
             self.llm.reset_prefix_cache()
