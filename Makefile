@@ -32,7 +32,7 @@ test: setup
 
 # Everything, slow / multi-node / benchmark smoke runs included (what CI runs).
 test-all: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .cache
