@@ -382,7 +382,8 @@ class RayActuator:
             return self.pool.push_weights(targets, g.weights_ref, g.version)
         out = self.sync.push(self.pool, sender=g.lead, targets=targets, version=g.version,
                              weights_ref=g.weights_ref)
-        self.stats["push_fallbacks"].append(len(out.fallback))
+        if targets:
+            self.stats["broadcast_fallbacks"].append(len(out.fallback))
         return list(out.lost)
 
     def _forget_trained(self, run_ids: Sequence[str]) -> None:
