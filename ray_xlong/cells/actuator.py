@@ -15,7 +15,7 @@ ray.wait(pending) ──► report to CellMachine ──► CellMachine.settle: 
             advantages) → awake members fetch the runs' payloads from where they ended and run
             their Learner connector pipeline; when the step holds B groups and every
             micro-batch is done: reduce + one optimizer step, new weights to every engine not
-            training (between requests), then ``end_step``.
+            training (between requests; object store or broadcast.py), then ``end_step``.
 ```
 
 The driver holds digests and refs: a run's tokens go from the rollout cell that processed it
@@ -25,9 +25,8 @@ seconds since start; a cell entering training or syncing is busy (``ready_at = �
 actors report back, then ``ready`` is logged, as the simulator logs the end of its delays.
 
 Invariants: every move passes the CellMachine first; a runner is suspended only after its runs
-ended; every ended run is in exactly one micro-batch plan. Losses go to ``recovery.py``,
-driver checkpoints to ``checkpoint.py``; an actor error that is not a death raises
-:class:`CellActorDied` naming the cell.
+ended; every ended run is in exactly one micro-batch plan. Losses go to ``recovery.py``, driver
+checkpoints to ``checkpoint.py``; an actor error that is not a death raises ``CellActorDied``.
 """
 
 from __future__ import annotations

@@ -133,10 +133,6 @@ class BroadcastWeights:
         except ray.exceptions.RayError as exc:
             return False if actor_lost(exc) else None
 
-    def shutdown(self) -> None:
-        """Close the store (the groups die with their members)."""
-        self.store = None
-
 
 def broadcast_sync(config: Any) -> BroadcastWeights | None:
     """A :class:`BroadcastWeights` for a ``CellJobConfig`` whose ``weight_sync_scheme`` is
