@@ -54,6 +54,8 @@ class PushOutcome:
     """Cells whose runner (or, for the sender's cell, learner) died: recover them."""
     fallback: tuple[int, ...]
     """Targets that got the weights by the object store after the broadcast failed."""
+    own: tuple[int, ...] = ()
+    """The sender's own cell, when a target: it got them by the object store (same GPU)."""
     seconds: float
     """Wall seconds of the push (fallback included)."""
 
@@ -83,16 +85,22 @@ class BroadcastWeights:
         gen = self.generation + pool.actors_replaced
         return f"{gen}/s{sender}/t{'.'.join(map(str, targets))}"
 
-    def push(self, pool: Any, *, sender: int, targets: Sequence[int], version: int,
+    def push(self, pool: Any, *, sender: int | None, targets: Sequence[int], version: int,
              weights_ref: Any) -> PushOutcome:
         """Weights of ``version`` from ``sender``'s learner to the runners of ``targets``
-        (``weights_ref``: the same weights in the object store, the fallback)."""
+        (``weights_ref``: the same weights in the object store, the fallback; ``sender``
+        None: no learner holds them, every target takes the object store). The driver waits
+        at most ``2 × timeout_s`` for the broadcast."""
         import time
 
         t0 = time.perf_counter()
-        targets = sorted(targets)
+        # The sender's own cell (a member that left training mid-step) shares its runner's GPU:
+        # NCCL refuses two ranks on one device, so that cell takes the object store.
+        own = [c for c in targets if c == sender or sender is None]
+        targets = sorted(c for c in targets if c not in own)
+        lost = pool.push_weights(own, weights_ref, version) if own else []
         if not targets:
-            return PushOutcome((), (), 0.0)
+            return PushOutcome(tuple(lost), (), time.perf_counter() - t0, tuple(own))
         key = self.key(pool, sender, targets)
         self.groups_made.add(key)
         spec = SyncSpec(key, self.host, self.port, 0, len(targets) + 1, self.backend,
@@ -100,24 +108,24 @@ class BroadcastWeights:
         send = pool.cells[sender].learner.send_weights.remote(spec, version)
         recv = {c: pool.cells[c].runner.receive_weights.remote(
             dataclasses.replace(spec, rank=i + 1), version) for i, c in enumerate(targets)}
-        lost, failed = [], []
+        failed, dead = [], []
         deadline = time.monotonic() + 2 * self.timeout_s      # every call is bounded by it
         sender_ok = self._wait(send, deadline)
         if sender_ok is False:
-            lost.append(sender)
+            dead.append(sender)
         for cell, ref in recv.items():
             ok = self._wait(ref, deadline)
             if ok is False:
-                lost.append(cell)
+                dead.append(cell)
             elif ok is None:
                 failed.append(cell)
-        if sender_ok is not True or failed or lost:
+        if sender_ok is not True or failed or dead:
             self.generation += 1
             self.failures += 1
-        fallback = list(failed)
-        if fallback:
-            lost += pool.push_weights(fallback, weights_ref, version)
-        return PushOutcome(tuple(dict.fromkeys(lost)), tuple(fallback), time.perf_counter() - t0)
+        if failed:
+            dead += pool.push_weights(failed, weights_ref, version)
+        return PushOutcome(tuple(dict.fromkeys(lost + dead)), tuple(failed),
+                           time.perf_counter() - t0, tuple(own))
 
     @staticmethod
     def _wait(ref: Any, deadline: float) -> bool | None:

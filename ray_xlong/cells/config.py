@@ -125,8 +125,9 @@ class CellJobConfig:
     weight_sync_bucket_mb: float = 256.0
     """Bucket size cap of the broadcast (staging memory on each side is one bucket)."""
     weight_sync_timeout_s: float = 60.0
-    """Bound of each broadcast's rendezvous and collectives (a peer lost mid-sync fails the
-    sync after this; the targets left then get the weights by the object store)."""
+    """Bound of each broadcast's rendezvous and collectives; the driver waits at most twice it
+    for a whole push (a peer lost mid-sync fails the sync; the targets left then get the
+    weights by the object store)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
