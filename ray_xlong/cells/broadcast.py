@@ -54,10 +54,10 @@ class PushOutcome:
     """Cells whose runner (or, for the sender's cell, learner) died: recover them."""
     fallback: tuple[int, ...]
     """Targets that got the weights by the object store after the broadcast failed."""
-    own: tuple[int, ...] = ()
-    """The sender's own cell, when a target: it got them by the object store (same GPU)."""
     seconds: float
     """Wall seconds of the push (fallback included)."""
+    own: tuple[int, ...] = ()
+    """The sender's own cell, when a target: it got them by the object store (same GPU)."""
 
 
 class BroadcastWeights:
