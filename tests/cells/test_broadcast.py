@@ -96,7 +96,7 @@ def test_broadcast_job_puts_the_learners_weights_into_every_engine(cells):
     """The same elastic job twice on the same cells: object store, then broadcast. Every
     engine of every cell the last step pushed to holds the Learner's weights bitwise (both
     engines of the cell), no push fell back, and both jobs train the same runs per step to
-    the same weights (to float tolerance: only the timing of the two jobs differs)."""
+    the same weights (measured bitwise; to 1e-6, a step's updates are ~1e-3)."""
     import ray
 
     from ray_xlong.tools.faults import audit
@@ -122,9 +122,10 @@ def test_broadcast_job_puts_the_learners_weights_into_every_engine(cells):
         assert (a.runs_lost, a.runs_trained_twice, a.steps) == (0, 0, JOB.total_steps)
         assert a.violations == ()
     assert [sorted(s) for s in store.trained_runs] == [sorted(s) for s in result.trained_runs]
-    other = final_weights(store_act)
-    for k in want:
-        torch.testing.assert_close(want[k], other[k], rtol=0, atol=1e-4)
+    other, start = final_weights(store_act), ray.get(pool.initial_weights)
+    assert max((want[k] - start[k]).abs().max().item() for k in want) > 1e-4   # it trained
+    for k in want:     # measured bitwise equal; the tolerance allows another reduction order
+        torch.testing.assert_close(want[k], other[k], rtol=0, atol=1e-6)
 
 
 @pytest.mark.ray
