@@ -87,6 +87,17 @@ class Peer:
         return float(next(iter(got.values()))[0])
 
 
+def summarize(samples: dict[str, list[float]], *, gb: float, engines: int) -> dict:
+    """Per scheme: median seconds, s/GB, s/GB per engine, and the ratio to the object store."""
+    out = {}
+    for name, t in samples.items():
+        s = statistics.median(t)
+        out[name] = {"seconds": s, "s_per_gb": s / gb, "s_per_gb_per_engine": s / gb / engines}
+    for row in out.values():
+        row["vs_object_store"] = row["seconds"] / out["object_store"]["seconds"]
+    return out
+
+
 def bench(*, seed: int, mb: float, engines: int, repeats: int, bucket_mb: float,
           device: str = "cpu") -> dict:
     gpus = 1 if device == "cuda" else 0
@@ -108,14 +119,7 @@ def bench(*, seed: int, mb: float, engines: int, repeats: int, bucket_mb: float,
         assert len(set(firsts)) == 1 and len(set(firsts2)) == 1 and firsts[0] == firsts2[0]
         del refs
     out = {"mb": mb, "engines": engines, "bucket_mb": bucket_mb, "repeats": repeats,
-           "device": device, "schemes": {}}
-    for name, t in samples.items():
-        s = statistics.median(t)
-        out["schemes"][name] = {"seconds": s, "s_per_gb": s / gb,
-                                "s_per_gb_per_engine": s / gb / engines}
-    base = out["schemes"]["object_store"]["seconds"]
-    for row in out["schemes"].values():
-        row["vs_object_store"] = row["seconds"] / base
+           "device": device, "schemes": summarize(samples, gb=gb, engines=engines)}
     for p in peers:
         ray.kill(p)
     return out
@@ -182,17 +186,10 @@ def bench_pool(*, seed: int, mb: float, engines: int, repeats: int, bucket_mb: f
             assert all(torch.equal(got[k], want[k]) for k in want), f"cell {c}"
     finally:
         pool.shutdown()
-    out = {"through": "pool", "mb": gb * 1e3, "engines": engines, "bucket_mb": bucket_mb,
-           "repeats": repeats, "device": "cpu", "first_broadcast_s": first,
-           "new_group_broadcast_s": regroup, "schemes": {}}
-    for name, t in samples.items():
-        s = statistics.median(t)
-        out["schemes"][name] = {"seconds": s, "s_per_gb": s / gb,
-                                "s_per_gb_per_engine": s / gb / engines}
-    base = out["schemes"]["object_store"]["seconds"]
-    for row in out["schemes"].values():
-        row["vs_object_store"] = row["seconds"] / base
-    return out
+    return {"through": "pool", "mb": gb * 1e3, "engines": engines, "bucket_mb": bucket_mb,
+            "repeats": repeats, "device": "cpu", "first_broadcast_s": first,
+            "new_group_broadcast_s": regroup,
+            "schemes": summarize(samples, gb=gb, engines=engines)}
 
 
 def print_table(result: dict) -> None:

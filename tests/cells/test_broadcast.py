@@ -15,25 +15,21 @@ import torch
 from ray_xlong.cells.broadcast import SCHEMES
 from ray_xlong.cells.config import CellJobConfig, LearnerSettings, make_policy
 from ray_xlong.cells.engines import EngineLayout, replicated_engine_set
-from ray_xlong.cells.long_horizon_job import LongHorizonJob
-from ray_xlong.cells.pool import CellLayout, create_cells
+from ray_xlong.cells.pool import create_cells
 from ray_xlong.cells.sharding import ShardingSettings
-from ray_xlong.rollout import HarnessConfig
-from ray_xlong.rollout.tasks import LongHorizonConfig
 from ray_xlong.scheduling import Role, SchedulingConfig
 
+from tests.cells.test_sharded_modes import config as sharded_config
+
 JOB = SchedulingConfig(total_steps=3, batch_groups=1, runs_per_group=2, staleness_bound=1)
-WORK = LongHorizonJob(task=LongHorizonConfig(num_steps=3, latency_median_s=900.0,
-                                             latency_sigma=0.8, time_scale=1 / 3600), seed=3)
-LAYOUT = CellLayout(cells=2, nodes_per_cell=1, gpus_per_node=1, cpus_per_bundle=1.0,
-                    strategy="PACK")
 
 
 def config(model_dir: str, **kwargs) -> CellJobConfig:
-    return CellJobConfig(mode="elastic", job=JOB, layout=LAYOUT,
-                         learner=LearnerSettings(model_dir=model_dir, lr=1e-3), slots_per_cell=2,
-                         work=WORK, harness=HarnessConfig(max_new_tokens=32, wall_clock_s=2.5,
-                                                          tool_timeout_s=2.5), **kwargs)
+    """The 2-cell elastic job of ``test_sharded_modes`` with one Learner per cell, 3 steps of one
+    group each, lr 1e-3 (visible updates)."""
+    fields = {"job": JOB, "sharding": ShardingSettings(),
+              "learner": LearnerSettings(model_dir=model_dir, lr=1e-3), **kwargs}
+    return dataclasses.replace(sharded_config(model_dir), **fields)
 
 
 def test_weight_sync_default_and_bad_values(tmp_path):
