@@ -36,7 +36,8 @@ def test_weight_sync_smoke_through_the_pool(tmp_path, capsys):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "out.json"
-    mod.main(["--smoke", "--through", "pool", "--seed", "1", "--json", str(out)])
+    mod.main(["--smoke", "--through", "pool", "--engines", "1", "--seed", "1",   # 2 cells
+              "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["through"] == "pool" and set(data["schemes"]) == {"object_store", "broadcast"}
     assert all(r["s_per_gb"] > 0 for r in data["schemes"].values())
