@@ -15,7 +15,7 @@ ray.wait(pending) ──► report to CellMachine ──► CellMachine.settle: 
             advantages) → awake members fetch the runs' payloads from where they ended and run
             their Learner connector pipeline; when the step holds B groups and every
             micro-batch is done: reduce + one optimizer step, new weights to every engine not
-            training (between requests), then ``end_step``.
+            training (between requests; object store or broadcast.py), then ``end_step``.
 ```
 
 The driver holds digests and refs: a run's tokens go from the rollout cell that processed it
@@ -25,9 +25,8 @@ seconds since start; a cell entering training or syncing is busy (``ready_at = �
 actors report back, then ``ready`` is logged, as the simulator logs the end of its delays.
 
 Invariants: every move passes the CellMachine first; a runner is suspended only after its runs
-ended; every ended run is in exactly one micro-batch plan. Losses go to ``recovery.py``,
-driver checkpoints to ``checkpoint.py``; an actor error that is not a death raises
-:class:`CellActorDied` naming the cell.
+ended; every ended run is in exactly one micro-batch plan. Losses go to ``recovery.py``, driver
+checkpoints to ``checkpoint.py``; an actor error that is not a death raises ``CellActorDied``.
 """
 
 from __future__ import annotations
@@ -39,12 +38,11 @@ from typing import Any, Sequence
 
 import ray
 
+from ray_xlong.cells.broadcast import broadcast_sync
 from ray_xlong.cells.config import CellJobConfig
 from ray_xlong.cells.records import CellActorDied, EndedRun, FaultRecord, Pending, StepObserver
 from ray_xlong.cells.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
                                            actor_alive, actor_lost, plan_step)
-
-__all__ = ["CellActorDied", "EndedRun", "Pending", "RayActuator", "StepObserver"]
 from ray_xlong.cells.metrics import RayResult, job_result
 from ray_xlong.cells.pool import CellPool
 from ray_xlong.cells.runs import run_index
@@ -53,6 +51,7 @@ from ray_xlong.scheduling import (CellMachine, Drain, JoinStep, Policy, Reserve,
                                   StartTraining, Sync)
 from ray_xlong.trajectory.per_run import RunDigest
 
+__all__ = ["CellActorDied", "EndedRun", "Pending", "RayActuator", "StepObserver"]
 INF = float("inf")
 MAX_ROUNDS = 16
 
@@ -98,6 +97,7 @@ class RayActuator:
         """Unix time a resume from a checkpoint finished (None: not resumed)."""
         self.injector: Any = None
         """Optional ``tick(actuator)`` called once per loop (``faults.FaultInjector``)."""
+        self.sync = broadcast_sync(config)  # BroadcastWeights, or None: the object store
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -372,11 +372,18 @@ class RayActuator:
             checkpoint.save(self)
 
     def _push_weights(self) -> list[int]:
-        """New weights to every engine not training; returns the cells whose runner died."""
-        return self.pool.push_weights(
-            [c for c, role in enumerate(self.m.role)
-             if role is not Role.TRAINING and c not in self.retired],
-            self.learners.weights_ref, self.learners.version)
+        """New weights to every engine not training (``CellJobConfig.weight_sync``); returns
+        the cells whose runner (or the broadcast's sender) died."""
+        g = self.learners
+        targets = [c for c, role in enumerate(self.m.role)
+                   if role is not Role.TRAINING and c not in self.retired]
+        if self.sync is None:
+            return self.pool.push_weights(targets, g.weights_ref, g.version)
+        out = self.sync.push(self.pool, sender=g.lead, targets=targets, version=g.version,
+                             weights_ref=g.weights_ref)
+        if targets:
+            self.stats["broadcast_fallbacks"].append(len(out.fallback))
+        return list(out.lost)
 
     def _forget_trained(self, run_ids: Sequence[str]) -> None:
         """Runs of a finished step: drop their payload refs (the objects are freed) and their

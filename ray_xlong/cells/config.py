@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from ray_xlong.cells.broadcast import SCHEMES
 from ray_xlong.cells.pool import CellLayout
 from ray_xlong.checks import check_int
 from ray_xlong.cells.long_horizon_job import LongHorizonJob
@@ -116,6 +117,17 @@ class CellJobConfig:
     """Steps between driver checkpoints."""
     sharding: ShardingSettings = ShardingSettings()
     """A training cell's Learner ranks (``cells/sharded.py``; default: one Learner per cell)."""
+    weight_sync: str | None = None
+    """How a step's weights reach the engines of the cells not training (``cells/broadcast.py``):
+    ``object_store`` (a ref the Learner made, each runner fetches it) or ``broadcast`` (buckets
+    over a process group from the Learner to the runners: gloo on CPU, NCCL with
+    ``sharding.device='cuda'``). None: ``broadcast`` on CUDA, ``object_store`` on CPU."""
+    weight_sync_bucket_mb: float = 256.0
+    """Bucket size cap of the broadcast (staging memory on each side is one bucket)."""
+    weight_sync_timeout_s: float = 60.0
+    """Bound of each broadcast's rendezvous and collectives; the driver waits at most twice it
+    for a whole push (a peer lost mid-sync fails the sync; the targets left then get the
+    weights by the object store)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -135,10 +147,23 @@ class CellJobConfig:
                              "after a checkpoint survive a driver restart only in the spool)")
         if not self.poll_s > 0:
             raise ValueError(f"CellJobConfig.poll_s must be > 0, got {self.poll_s!r}")
+        if self.weight_sync not in (None,) + SCHEMES:
+            raise ValueError(f"CellJobConfig.weight_sync must be one of {SCHEMES} or None, "
+                             f"got {self.weight_sync!r}")
+        for name in ("weight_sync_bucket_mb", "weight_sync_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CellJobConfig.{name} must be > 0, got {getattr(self, name)!r}")
         ranks_per_bundle(self.sharding, nodes_per_cell=self.layout.nodes_per_cell,
                          gpus_per_node=self.layout.gpus_per_node)   # before any actor starts
         if self.sharding.memory_per_rank_gb is not None:
             check_model_fits(self.sharding, num_params=model_num_params(self.learner.model_dir))
+
+    @property
+    def weight_sync_scheme(self) -> str:
+        """``weight_sync`` with its default resolved (``broadcast`` on CUDA)."""
+        if self.weight_sync is not None:
+            return self.weight_sync
+        return "broadcast" if self.sharding.device == "cuda" else "object_store"
 
 
 def make_policy(config: CellJobConfig) -> Policy:

@@ -152,3 +152,25 @@ def engine_set_factory(layout: EngineLayout, make: Callable[[int, int], Any]
         return EngineSet([make(i, layout.tensor_parallel_size)
                           for i in range(layout.engines_per_cell)])
     return build
+
+
+def replicated_engine_set(layout: EngineLayout, factory: Callable[[], Any]
+                          ) -> Callable[[], EngineSet]:
+    """:func:`engine_set_factory` whose engines are each ``factory()`` (a picklable engine
+    factory, e.g. ``RolloutConfig.engine_factory``; CPU engines: no tensor parallelism)."""
+    if layout.tensor_parallel_size != 1:
+        raise EngineLayoutError(f"replicated_engine_set: EngineLayout.tensor_parallel_size="
+                                f"{layout.tensor_parallel_size}; give engine_set_factory a "
+                                f"make(index, tp) instead")
+    return engine_set_factory(layout, _Replica(factory))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Replica:
+    """``make(index, tp) = factory()`` (picklable)."""
+
+    factory: Callable[[], Any]
+    """The engine factory every engine comes from."""
+
+    def __call__(self, index: int, tensor_parallel_size: int) -> Any:
+        return self.factory()

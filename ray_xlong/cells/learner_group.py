@@ -141,6 +141,8 @@ class ElasticLearnerGroup:
         self.banked: list[Any] = []
         self.total = 0.0
         self.step = -1
+        self.lead: int | None = None
+        """The member whose state the last step's refs came from (it holds those weights)."""
 
     def begin(self, step: int) -> None:
         """Open step ``step`` (must equal the version: steps are applied in order)."""
@@ -245,6 +247,7 @@ class ElasticLearnerGroup:
                 else:
                     self.state_ref = lead.get_xlong_state.remote()
                     self.weights_ref = lead.get_weights.remote()
+                self.lead = c
                 break
             except ray.exceptions.RayError as exc:
                 if not actor_lost(exc):

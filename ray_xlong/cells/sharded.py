@@ -158,6 +158,21 @@ class LearnerRank:
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.lm, options=full)
 
+    def send_weights(self, spec: Any, version: int) -> int:
+        """Gather the full weights (collective) and broadcast them from rank 0 to the runners
+        of ``spec``'s sync group (``cells/broadcast.py``). Returns bytes sent (0 off rank 0)."""
+        from ray_xlong.cells.weight_sync import SyncGroups
+
+        if version != self.version:
+            raise RuntimeError(f"LearnerRank.send_weights: rank at version {self.version}, "
+                               f"asked to send version {version}")
+        weights = self.get_weights()
+        if self.rank != 0:
+            return 0
+        if not hasattr(self, "_sync_groups"):
+            self._sync_groups = SyncGroups()
+        return self._sync_groups.send(spec, weights, version)
+
     def get_xlong_state(self) -> dict[str, Any]:
         """Full weights + optimizer state + version (rank 0's is complete). Collective."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
@@ -313,7 +328,8 @@ class ShardedCell:
 
     _RANK0 = ("take_gradients", "get_weights", "get_xlong_state")
     _ALL = ("accumulate", "accumulate_runs", "apply_step", "set_xlong_state", "wake_up",
-            "sleep", "build", "xlong_metrics", "take_step_stats", "__ray_ready__")
+            "sleep", "build", "xlong_metrics", "take_step_stats", "send_weights",
+            "__ray_ready__")
 
     def __init__(self, ranks: Sequence[Any]) -> None:
         self.ranks = list(ranks)

@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable, Mapping
 
 import ray
+import torch
 
 from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.cells.pool import CellActors
@@ -128,6 +129,27 @@ class CellRunner(AgentEnvRunner):
         self.wake_up()
         self.undrain()
         return time.perf_counter() - t
+
+
+    def receive_weights(self, spec: Any, version: int) -> float:
+        """The weights of ``version`` from the sender of ``spec``'s sync group, bucket by
+        bucket (``cells/broadcast.py``), then loaded as :meth:`set_weights` loads them: between
+        engine batches, into every engine of the cell. Returns the seconds it took."""
+        from ray_xlong.cells.weight_sync import SyncGroups
+
+        t = time.perf_counter()
+        if not hasattr(self, "_sync_groups"):
+            self._sync_groups = SyncGroups()
+        self.set_weights(self._sync_groups.receive(spec, version), version)
+        return time.perf_counter() - t
+
+    def engine_weights(self) -> list[dict[str, Any]]:
+        """Each engine's model weights (an ``EngineSet``: every engine; ``{}`` for an engine
+        without a torch model), to check what a sync delivered."""
+        engines = getattr(self.engine, "engines", [self.engine])
+        return [{k: v.detach().cpu().clone() for k, v in e.model.state_dict().items()}
+                if isinstance(getattr(e, "model", None), torch.nn.Module) else {}
+                for e in engines]
 
 
 def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,

@@ -195,6 +195,18 @@ class XLongLearner(TorchLearner):
         """The LM's state dict (detached copies), what engines load."""
         return {k: v.detach().clone() for k, v in self.lm.state_dict().items()}
 
+    def send_weights(self, spec: Any, version: int) -> int:
+        """Broadcast this learner's weights of ``version`` to the runners of ``spec``'s sync
+        group (``cells/broadcast.py``; this learner is its rank 0). Returns bytes sent."""
+        from ray_xlong.cells.weight_sync import SyncGroups
+
+        if version != self.version:
+            raise RuntimeError(f"XLongLearner.send_weights: learner at version {self.version}, "
+                               f"asked to send version {version}")
+        if not hasattr(self, "_sync_groups"):
+            self._sync_groups = SyncGroups()
+        return self._sync_groups.send(spec, self.get_weights(), version)
+
     def get_xlong_state(self) -> dict[str, Any]:
         """Weights + optimizer state + version: what a joining learner loads."""
         return {"weights": self.get_weights(), "version": self.version,

@@ -74,8 +74,10 @@ def test_cuda_on_logical_gpus_is_an_error_before_any_actor_starts(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["colocated", "elastic"])
-def test_modes_keep_the_cell_invariants_with_2_rank_cells(tmp_path_factory, mode):
+@pytest.mark.parametrize("mode,weight_sync", [("colocated", "object_store"),
+                                              ("elastic", "broadcast")])
+def test_modes_keep_the_cell_invariants_with_2_rank_cells(tmp_path_factory, mode, weight_sync):
+    """Elastic: each step's weights leave the sharded cell's rank 0 by broadcast (gloo)."""
     import ray
 
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
@@ -83,7 +85,7 @@ def test_modes_keep_the_cell_invariants_with_2_rank_cells(tmp_path_factory, mode
              object_store_memory=300 * 1024 ** 2)
     try:
         model_dir = str(build_tiny_model_dir(tmp_path_factory.mktemp("sm") / "m", seed=0))
-        cfg = dataclasses.replace(config(model_dir), mode=mode)
+        cfg = dataclasses.replace(config(model_dir), mode=mode, weight_sync=weight_sync)
         pool = start_cells(cfg)
         try:
             assert all(isinstance(c.learner, ShardedCell) and len(c.learner) == 2
@@ -91,6 +93,9 @@ def test_modes_keep_the_cell_invariants_with_2_rank_cells(tmp_path_factory, mode
             result = run_job(cfg, pool)
             assert check_invariants(result, staleness_bound=JOB.staleness_bound) == []
             assert [e.kind for e in result.events].count("step_ended") == JOB.total_steps
+            pushes = result.timings.get("broadcast_fallbacks", ())
+            assert (len(pushes) >= 1 and sum(pushes) == 0) if weight_sync == "broadcast" \
+                else pushes == ()
         finally:
             pool.shutdown()
     finally:

@@ -56,3 +56,53 @@ def test_receiver_gets_the_senders_state_dict_exactly():
     for p in procs:
         p.join(timeout=60)
     assert ok is True
+
+
+def _sync_members(world: int, *, absent: int | None = None, timeout_s: float = 20.0):
+    """Run a SyncGroups sender (rank 0) and receivers as threads on a driver-side TCPStore;
+    returns ``{rank: state dict received | bytes sent | the exception raised}``."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from ray_xlong.cells.weight_sync import SyncGroups, SyncSpec
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    spec = SyncSpec("0/s0/t1.2", "127.0.0.1", store.port, 0, world, timeout_s=timeout_s,
+                    bucket_mb=0.003)
+    out, groups = {}, {r: SyncGroups() for r in range(world)}
+
+    def member(rank: int) -> None:
+        import dataclasses
+
+        try:
+            mine = dataclasses.replace(spec, rank=rank)
+            out[rank] = (groups[rank].send(mine, state(), 7) if rank == 0
+                         else {k: v.clone() for k, v in groups[rank].receive(mine, 7).items()})
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out[rank] = exc
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(world) if r != absent]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=4 * timeout_s)
+    assert not any(t.is_alive() for t in threads), "a member hung past its timeout"
+    return out, groups
+
+
+def test_sync_groups_deliver_the_senders_state_to_every_receiver():
+    out, groups = _sync_members(3)
+    sd = state()
+    assert out[0] == sum(t.numel() * t.element_size() for t in sd.values())
+    for r in (1, 2):
+        assert list(out[r]) == list(sd) and all(torch.equal(out[r][k], sd[k]) for k in sd)
+    assert all("0/s0/t1.2" in g.groups for g in groups.values())   # cached for the next push
+
+
+def test_sync_groups_fail_within_the_timeout_when_a_member_is_gone():
+    out, groups = _sync_members(3, absent=2, timeout_s=3.0)
+    assert isinstance(out[0], Exception) and isinstance(out[1], Exception)
+    assert not any(g.groups for g in groups.values())     # nothing half-made is kept
