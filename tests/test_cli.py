@@ -94,22 +94,6 @@ def test_bench_on_ray_cells_and_timeline_of_the_driver_event_log(tmp_path, capsy
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_train_writes_the_driver_event_log_and_timeline_draws_it(tmp_path, capsys):
-    """One RL step of the lookup task through XLongAlgorithm (HF engines, tiny budget)."""
-    out = tmp_path / "train"
-    assert main(["train", "--engine", "hf", "--steps", "1", "--groups", "2",
-                 "--runs-per-group", "2", "--workdir", str(tmp_path / "cache"),
-                 "--out", str(out)]) == 0
-    events = from_jsonl((out / "events.jsonl").read_text())
-    assert {"run_started", "run_ended", "step_ended"} <= {e.kind for e in events}
-    png = tmp_path / "train.png"
-    assert main(["timeline", str(out / "events.jsonl"), "--time-unit", "seconds",
-                 "--out", str(png)]) == 0
-    assert png.read_bytes()[:4] == b"\x89PNG"
-
-
 @pytest.mark.parametrize("argv, message", [
     pytest.param(["inspect", "/no/such.jsonl"], "no such file", id="missing-file"),
     pytest.param(["sim", "--preset", "paper-9t"], "paper-9t", id="unknown-preset"),

@@ -126,9 +126,12 @@ def test_there_are_example_configs():
 @pytest.mark.slow
 @pytest.mark.ray
 def test_train_from_the_tracked_example_config_writes_every_tracker(tmp_path, monkeypatch):
-    """``ray-xlong train --config examples/configs/smoke_hf_tracked.yaml`` (one step): the
-    effective config, W&B offline run, MLflow file store and TensorBoard events are written."""
+    """``ray-xlong train --config examples/configs/smoke_hf_tracked.yaml`` (one RL step of the
+    lookup task through XLongAlgorithm on HF engines): the effective config, W&B offline run,
+    MLflow file store and TensorBoard events are written, and the driver's event log, which
+    ``ray-xlong timeline`` draws."""
     from ray_xlong.cli import main
+    from ray_xlong.scheduling.events import from_jsonl
 
     for name in ("WANDB_MODE", "WANDB_API_KEY", "MLFLOW_TRACKING_URI"):
         monkeypatch.delenv(name, raising=False)
@@ -142,3 +145,9 @@ def test_train_from_the_tracked_example_config_writes_every_tracker(tmp_path, mo
     assert list(trackers.glob("wandb/offline-run-*/run-*.wandb"))
     assert list(trackers.glob("mlruns/*/*/metrics/learners/default_policy/policy_loss"))
     assert list(trackers.glob("ray_xlong_smoke/XLongAlgorithm_*/events.out.tfevents.*"))
+    events = from_jsonl((out / "events.jsonl").read_text())
+    assert {"run_started", "run_ended", "step_ended"} <= {e.kind for e in events}
+    png = tmp_path / "train.png"
+    assert main(["timeline", str(out / "events.jsonl"), "--time-unit", "seconds",
+                 "--out", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -14,6 +14,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "learner_s
 
 @pytest.mark.benchmark
 @pytest.mark.rllib
+@pytest.mark.slow
 def test_learner_step_smoke(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("learner_step_bench", SCRIPT)
     mod = importlib.util.module_from_spec(spec)

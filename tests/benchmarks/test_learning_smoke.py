@@ -1,4 +1,8 @@
-"""Smoke run of benchmarks/learning.py: all three modes, tiny budget, the JSON shape."""
+"""Smoke run of benchmarks/learning.py: tiny budget, the JSON shape and the table.
+
+Two modes: colocated (the table's ratio base) and elastic; a mode is only a name passed to
+``tools.train.run_training``, and async cells are covered by the mode benchmarks' smoke runs and
+the multi-node pool tests (a third mode here cost ~80 s of CI)."""
 
 from __future__ import annotations
 
@@ -19,12 +23,13 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "learning.
 @pytest.mark.slow
 def test_learning_smoke(tmp_path):
     out = tmp_path / "learning.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(out)],
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--modes", "colocated",
+                           "elastic", "--json", str(out)],
                           capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="rx", dir="/tmp")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| mode | reward first 3 |" in proc.stdout
     data = json.loads(out.read_text())
-    assert set(data["modes"]) == {"colocated", "async", "elastic"}
+    assert set(data["modes"]) == {"colocated", "elastic"}
     for mode in data["modes"].values():
         assert len(mode["rewards"]) == 2 and mode["seconds"] > 0

@@ -23,6 +23,7 @@ def run(tmp_path, engines):
 
 
 @pytest.mark.benchmark
+@pytest.mark.slow
 def test_smoke_hf(tmp_path):
     data = run(tmp_path, "hf")
     (row,) = data["rows"]

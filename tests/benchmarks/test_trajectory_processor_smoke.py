@@ -12,6 +12,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "trajector
 
 
 @pytest.mark.benchmark
+@pytest.mark.slow
 def test_trajectory_processor_smoke(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("trajectory_processor_bench", SCRIPT)
     mod = importlib.util.module_from_spec(spec)

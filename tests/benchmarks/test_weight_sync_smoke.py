@@ -14,6 +14,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "weight_sy
 
 @pytest.mark.benchmark
 @pytest.mark.ray
+@pytest.mark.slow
 def test_weight_sync_smoke(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("weight_sync_bench", SCRIPT)
     mod = importlib.util.module_from_spec(spec)

@@ -164,6 +164,7 @@ TOLERANCES = [  # (weights, update): the issue asks fp32 <= 1e-5 rel on the new 
 
 @pytest.mark.parametrize("dtype,weight_tol,update_tol", TOLERANCES)
 @pytest.mark.parametrize("n,schedule,chunks", SCHEDULES)
+@pytest.mark.slow
 def test_same_batch_same_weights_whoever_trains_it(ray_local, learner_pool, model_dir, dtype,
                                                    weight_tol, update_tol, n, schedule, chunks):
     want = reference_weights(model_dir, dtype)
@@ -199,6 +200,7 @@ def test_planned_weights_add_up_to_the_batch_normalizer():
 
 
 @pytest.mark.parametrize("when", ["mid-step", "in-reduce"])
+@pytest.mark.slow
 def test_a_learner_lost_mid_step_gives_the_same_update(ray_local, model_dir, when):
     """Issue 7: a learner that dies mid-step (between micro-batches, or inside the reduce) is
     replaced; the micro-batches it held are trained again by others and both steps end on the

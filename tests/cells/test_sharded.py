@@ -174,6 +174,7 @@ def test_a_rank_reads_its_runs_processed_where_they_ended_or_processes_them():
         rank.accumulate_runs(["nope"], [1.0], 0, episodes)
 
 
+@pytest.mark.slow
 def test_a_users_connector_piece_runs_on_a_sharded_rank(ray_local, model_dir):
     """The user's piece runs on both ranks of a 2-rank cell before PrefixTreeConnector: the
     cell's gradient of one micro-batch is twice plain torch's on the same runs (the loss is

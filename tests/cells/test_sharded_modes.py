@@ -46,6 +46,7 @@ def test_cuda_ranks_on_cells_without_gpus_fail_before_anything_starts(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_cuda_on_logical_gpus_is_an_error_before_any_actor_starts(tmp_path):
     """Logical GPUs (``ray.init(num_gpus=2)``, no CUDA): a config asking for CUDA learners
     fails in ``create_cells`` naming the field, from the probe of bundle 0 — no runner or

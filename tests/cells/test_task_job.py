@@ -18,6 +18,7 @@ TINY = WarmStartConfig(clean_steps=2, noisy_steps=1, min_accuracy=0.0, check_dem
 """A plumbing-only warm start (no check): seconds, not a usable policy."""
 
 
+@pytest.mark.slow
 def test_cache_is_keyed_by_seed_and_warm_start_config(tmp_path):
     first = pathlib.Path(warm_started_model_dir(tmp_path, seed=0, warm=TINY))
     stamp = (first / READY_MARKER).stat().st_mtime_ns
@@ -41,6 +42,7 @@ def test_failed_warm_start_is_not_cached(tmp_path):
     assert not list(tmp_path.glob(f"*/{READY_MARKER}"))
 
 
+@pytest.mark.slow
 def test_template_policy_has_its_own_cache_entry_and_chat_format(tmp_path):
     from ray_xlong.rollout.chat import load_chat_format
     from ray_xlong.rollout.template_format import TemplateFormat

@@ -59,6 +59,7 @@ def test_bad_tokenizer_vocab_names_the_argument():
         build_tokenizer(vocab_size=10)
 
 
+@pytest.mark.slow
 def test_warm_start_lowers_the_loss(dirs):
     model = load_model(dirs[0])
     ids = np.arange(20, 60)
@@ -67,6 +68,7 @@ def test_warm_start_lowers_the_loss(dirs):
     assert losses[-1] < losses[0] / 2
 
 
+@pytest.mark.slow
 def test_teacher_forced_scores_the_masked_positions(dirs):
     model = load_model(dirs[0])
     ids = np.arange(20, 40)

@@ -75,6 +75,7 @@ def trained(local_ray, plain_model, tmp_path_factory):
     return results, path, weights
 
 
+@pytest.mark.slow
 def test_train_returns_rllib_metrics(trained):
     results, _, _ = trained
     for step, r in enumerate(results, start=1):
@@ -91,54 +92,14 @@ def test_train_returns_rllib_metrics(trained):
         assert 0.0 < x["gpu_busy_frac"] <= 1.0
 
 
+@pytest.mark.slow
 def test_user_callbacks_fire(trained):
     assert RecordingCallbacks.seen == [("init", None), ("result", 1), ("result", 2)]
 
 
-RESTORE = textwrap.dedent("""
-    import json, os, sys
-    import ray, torch
-    from ray_xlong.rllib.algorithm_config import XLongConfig
-    path, out, model_dir = sys.argv[1], sys.argv[2], sys.argv[3]
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    algo = (XLongConfig().training(train_batch_size_per_learner=8).debugging(seed=0)
-            .xlong(mode="elastic", cells=2, runs_per_group=4, slots_per_cell=8,
-                   model_dir=model_dir, placement_strategy="PACK")).build_algo()
-    algo.restore_from_path(path)
-    before = algo.get_state()["xlong"]
-    saved = torch.load(os.path.join(out, "saved.pt"))
-    same = all(torch.equal(before["learner"]["weights"][k], v) for k, v in saved.items())
-    r = algo.train()
-    json.dump({"version_restored": before["policy_version"], "weights_equal": same,
-               "iteration": r["training_iteration"],
-               "version": r["xlong"]["policy_version"],
-               "first_version_trained_on": algo.reports[0].version - 1}, open(
-                   os.path.join(out, "r.json"), "w"))
-    algo.stop()
-""")
-
-
-@pytest.mark.slow
-def test_checkpoint_restores_in_a_new_process(trained, plain_model, tmp_path):
-    import torch
-
-    _, path, weights = trained
-    ray.shutdown()                                         # the new process brings its own
-    torch.save(weights, tmp_path / "saved.pt")
-    env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="rx", dir="/tmp"),
-               PYTHONPATH=str(ROOT))   # Ray socket paths must stay under 107 bytes
-    proc = subprocess.run([sys.executable, "-c", RESTORE, str(path), str(tmp_path),
-                           plain_model], env=env, cwd=ROOT, timeout=300, capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads((tmp_path / "r.json").read_text())
-    assert got == {"version_restored": 2, "weights_equal": True, "iteration": 3,
-                   "version": 3, "first_version_trained_on": 2}
-
-
 FROM_CHECKPOINT = textwrap.dedent("""
     import json, os, sys
-    import ray
+    import ray, torch
     from ray_xlong.rllib.algorithm import XLongAlgorithm
     path, out, module, module_root = sys.argv[1:5]
     try:                           # the saved config names the test's callbacks class
@@ -150,8 +111,13 @@ FROM_CHECKPOINT = textwrap.dedent("""
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
     algo = XLongAlgorithm.from_checkpoint(path)
     restored = [algo.training_iteration, algo.policy_version]
+    before = algo.get_state()["xlong"]
+    saved = torch.load(os.path.join(out, "saved.pt"))
+    same = all(torch.equal(before["learner"]["weights"][k], v) for k, v in saved.items())
     r = algo.train()
-    json.dump({"error": error, "restored": restored, "iteration": r["training_iteration"],
+    json.dump({"error": error, "restored": restored, "weights_equal": same,
+               "version_restored": before["policy_version"],
+               "iteration": r["training_iteration"],
                "version": r["xlong"]["policy_version"],
                "first_version_trained_on": algo.reports[0].version - 1,
                "callbacks": sys.modules[module].RecordingCallbacks.seen},
@@ -162,10 +128,14 @@ FROM_CHECKPOINT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_from_checkpoint_continues_in_a_new_process(trained, tmp_path):
-    """``XLongAlgorithm.from_checkpoint`` builds from the saved config (callbacks included) and
-    trains on at the next step and version; a saved class that does not import is named."""
-    _, path, _ = trained
+    """In a new process ``XLongAlgorithm.from_checkpoint`` builds from the saved config
+    (callbacks included), restores the saved weights and version exactly (``restore_from_path``)
+    and trains on at the next step and version; a saved class that does not import is named."""
+    import torch
+
+    _, path, weights = trained
     ray.shutdown()                                         # the new process brings its own
+    torch.save(weights, tmp_path / "saved.pt")
     module = RecordingCallbacks.__module__
     module_root = pathlib.Path(sys.modules[module].__file__).parents[module.count(".")]
     env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="rx", dir="/tmp"),
@@ -177,7 +147,8 @@ def test_from_checkpoint_continues_in_a_new_process(trained, tmp_path):
     got = json.loads((tmp_path / "r.json").read_text())
     assert "cannot load the saved config" in got.pop("error")
     # trained: 2 steps, so the restored algorithm is at iteration 2, version 2 and steps on
-    assert got == {"restored": [2, 2], "iteration": 3, "version": 3,
+    assert got == {"restored": [2, 2], "weights_equal": True, "version_restored": 2,
+                   "iteration": 3, "version": 3,
                    "first_version_trained_on": 2, "callbacks": [["init", None], ["result", 3]]}
 
 
@@ -202,6 +173,7 @@ def test_reward_rises_in_elastic_mode(tmp_path_factory):
     assert rise >= 0.3, rewards
 
 
+@pytest.mark.slow
 def test_a_users_learner_connector_piece_runs_on_the_training_batch(local_ray, plain_model):
     """Issue 11: a learner connector piece the user added to their config runs in the cells'
     Learner connector pipeline, before PrefixTreeConnector builds the module batch (RLlib's

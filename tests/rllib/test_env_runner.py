@@ -61,6 +61,7 @@ def test_runs_end_into_episodes_exactly_once(model_dir):
         runner.stop()
 
 
+@pytest.mark.slow
 def test_drain_sleep_wake_and_weights_with_the_hf_engine(model_dir):
     runner = make_runner(model_dir)
     try:
@@ -100,6 +101,7 @@ def test_bad_config_and_unknown_task_raise(model_dir):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_runner_as_a_ray_actor(model_dir, monkeypatch):
     import ray
 

@@ -144,6 +144,7 @@ def results(model_dir):
     return out, seen
 
 
+@pytest.mark.slow
 def test_rllibs_own_result_check_passes(results):
     from ray.rllib.utils.test_utils import check_train_results_new_api_stack
 
@@ -151,6 +152,7 @@ def test_rllibs_own_result_check_passes(results):
         check_train_results_new_api_stack(r)
 
 
+@pytest.mark.slow
 def test_every_documented_key_is_present_and_finite(results):
     keys = readme_metric_keys()
     assert len(keys) >= 40, keys
@@ -160,6 +162,7 @@ def test_every_documented_key_is_present_and_finite(results):
             assert np.isscalar(value) and math.isfinite(float(value)), (key, value)
 
 
+@pytest.mark.slow
 def test_lifetime_counters_add_up(results):
     rs = results[0]
     for step, r in enumerate(rs, start=1):
@@ -172,6 +175,7 @@ def test_lifetime_counters_add_up(results):
     assert all(r["learners"]["default_policy"]["num_learners"] >= 1 for r in rs)
 
 
+@pytest.mark.slow
 def test_agent_stats_describe_the_runs_trained(results):
     for r in results[0]:
         agent = r["env_runners"]["agent"]
@@ -181,5 +185,6 @@ def test_agent_stats_describe_the_runs_trained(results):
         assert agent["wall_s_p95"] >= agent["wall_s_p50"] > 0
 
 
+@pytest.mark.slow
 def test_no_deprecation_warning_from_rllibs_metrics_logger(results):
     assert results[1] == []
