@@ -130,7 +130,6 @@ class CellRunner(AgentEnvRunner):
         self.undrain()
         return time.perf_counter() - t
 
-
     def receive_weights(self, spec: Any, version: int) -> float:
         """The weights of ``version`` from the sender of ``spec``'s sync group, bucket by
         bucket (``cells/broadcast.py``), then loaded as :meth:`set_weights` loads them: between

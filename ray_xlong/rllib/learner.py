@@ -205,7 +205,10 @@ class XLongLearner(TorchLearner):
                                f"asked to send version {version}")
         if not hasattr(self, "_sync_groups"):
             self._sync_groups = SyncGroups()
-        return self._sync_groups.send(spec, self.get_weights(), version)
+        # the live tensors, not get_weights()'s clones: send() copies them into its buckets
+        # and this actor runs nothing else meanwhile
+        weights = {k: v.detach() for k, v in self.lm.state_dict().items()}
+        return self._sync_groups.send(spec, weights, version)
 
     def get_xlong_state(self) -> dict[str, Any]:
         """Weights + optimizer state + version: what a joining learner loads."""
