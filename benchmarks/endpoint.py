@@ -214,7 +214,8 @@ def make_engine(kind: str, *, fmt, model_dir: str, turns: int, seed: int, batch:
 
 
 # -- the two paths --------------------------------------------------------------------------
-def harness_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str) -> dict:
+def harness_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str,
+                 repeats: int) -> dict:
     from ray_xlong.rollout import Harness, HarnessConfig, load_chat_format
     from ray_xlong.rollout.tasks.lookup import LookupTask
 
@@ -233,17 +234,21 @@ def harness_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str)
                              batch=runs)
         harness = Harness(engine, fmt, config=cfg)
         await harness.run_many(envs(1), run_ids=["warm"], group_ids=["w"])
-        t0 = time.perf_counter()
-        results = await harness.run_many(envs(runs), run_ids=[f"h{i}" for i in range(runs)],
-                                          group_ids=["g"] * runs)
-        wall = time.perf_counter() - t0
+        walls, recorded = [], []
+        for k in range(repeats):
+            t0 = time.perf_counter()
+            results = await harness.run_many(envs(runs), group_ids=["g"] * runs,
+                                              run_ids=[f"h{k}_{i}" for i in range(runs)])
+            walls.append(time.perf_counter() - t0)
+            recorded += [r.run for r in results]
         await engine.close()
-        return wall, [r.run for r in results]
-    wall, recorded = asyncio.run(main())
-    return {"wall_s": wall, "runs": recorded}
+        return walls, recorded
+    walls, recorded = asyncio.run(main())
+    return {"walls_s": walls, "runs": recorded}
 
 
-def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str) -> dict:
+def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str,
+                  repeats: int) -> dict:
     """``runs`` concurrent openai agents against an endpoint in a child process."""
     import httpx
 
@@ -263,13 +268,11 @@ def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str
 
         time_openai_calls()
 
-        async def one(run_id: str, latencies: tuple[list, list], i: int) -> None:
+        async def one(http, run_id: str, latencies: tuple[list, list], i: int) -> None:
             _LATENCIES.set(latencies[0])
             _WIRE.set(latencies[1])
-            async with httpx.AsyncClient() as http:
-                base = (await http.post(f"{url}/runs", json={"group_id": "g",
-                                                              "run_id": run_id})
-                        ).json()["base_url"]
+            base = (await http.post(f"{url}/runs", json={"group_id": "g", "run_id": run_id})
+                    ).json()["base_url"]
             if kind == "scripted":
                 await scripted_agent(base, {})
             else:
@@ -279,8 +282,11 @@ def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str
             lats: list[tuple[list, list]] = [([], []) for _ in ids]
 
             async def all_agents() -> None:
-                await asyncio.gather(*(one(r, lat, i)
-                                       for i, (r, lat) in enumerate(zip(ids, lats))))
+                # One client opens every run (as a driver keeps one): an httpx client builds a
+                # TLS context (~26 ms of CPU, profiled), which is not the endpoint's cost.
+                async with httpx.AsyncClient(verify=openai_agent.tls_context()) as http:
+                    await asyncio.gather(*(one(http, r, lat, i)
+                                           for i, (r, lat) in enumerate(zip(ids, lats))))
             t0 = time.perf_counter()
             asyncio.run(all_agents())
             return time.perf_counter() - t0, lats
@@ -298,14 +304,18 @@ def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str
         alone_ids = [f"a{i}" for i in range(min(runs, 4))]
         alone_lats = [batch([r])[1][0] for r in alone_ids]        # one run at a time
         alone = ended(alone_ids)
-        ids = [f"e{i}" for i in range(runs)]
-        wall, lats = batch(ids)
-        recorded = ended(ids)
+        walls, lats, recorded = [], [], []
+        for k in range(repeats):
+            ids = [f"e{k}_{i}" for i in range(runs)]
+            wall, lat = batch(ids)
+            walls.append(wall)
+            lats += lat
+            recorded += ended(ids)
     finally:
         if proc.stdin:
             proc.stdin.close()
         proc.wait(timeout=60)
-    return {"wall_s": wall, "runs": recorded, "overhead": _overhead(recorded, lats),
+    return {"walls_s": walls, "runs": recorded, "overhead": _overhead(recorded, lats),
             "overhead_alone": _overhead(alone, alone_lats)}
 
 
@@ -327,20 +337,24 @@ def _overhead(recorded: list, latencies: list[tuple[list, list]]) -> dict[str, l
 
 
 def summarize(path: dict) -> dict:
+    """Calls and tokens per second of one repeat's wall: the median repeat's wall against the
+    mean calls of a repeat (one repeat's stall, e.g. a scheduler hiccup, does not decide)."""
     from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor
 
-    runs = path["runs"]
+    runs, walls = path["runs"], path["walls_s"]
     calls = sum(len(r.calls) for r in runs)
     tokens = sum(int(c.output_ids.size) for r in runs for c in r.calls)
+    wall = float(np.median(walls))
     batch = TrajectoryProcessor(ProcessorConfig(pack="none")).process(runs)
-    return {"calls": calls, "output_tokens": tokens, "wall_s": path["wall_s"],
-            "calls_per_s": calls / path["wall_s"], "tokens_per_s": tokens / path["wall_s"],
+    return {"calls": calls, "output_tokens": tokens, "wall_s": wall, "walls_s": walls,
+            "calls_per_s": calls / len(walls) / wall, "tokens_per_s": tokens / len(walls) / wall,
             "trajectories_per_run": len(batch.trajectories) / len(runs),
             "failed": sum(r.status == "failed" for r in runs)}
 
 
 def measure(kind: str, args, model_dir: str) -> dict:
-    common = dict(runs=args.runs, turns=args.turns, seed=args.seed, model_dir=model_dir)
+    common = dict(runs=args.runs, turns=args.turns, seed=args.seed, model_dir=model_dir,
+                  repeats=args.repeats)
     h = harness_path(kind, **common)
     e = endpoint_path(kind, **common)
     hs, es = summarize(h), summarize(e)
@@ -374,8 +388,8 @@ def model_dir_for(args) -> str:
 def print_table(args, results: dict) -> None:
     print(f"{args.runs} concurrent runs, seed {args.seed}; endpoint in its own process, openai "
           f"clients in this one; scripted: {args.turns} tool turns a run\n")
-    print("| engine | path | calls | tokens | wall s | calls/s | tokens/s | trajectories/run "
-          "| failed |")
+    print("| engine | path | calls | tokens | median wall s | calls/s | tokens/s "
+          "| trajectories/run | failed |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for kind, res in results.items():
         for name, row in (("harness (in-process)", res["harness"]),
@@ -401,6 +415,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=16, help="concurrent runs per path")
     parser.add_argument("--turns", type=int, default=10, help="tool turns per scripted run")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="concurrent batches per path (throughput: the median batch)")
     parser.add_argument("--engines", default="scripted,hf", help="scripted, hf or both")
     parser.add_argument("--workdir", default=".cache/ray_xlong", help="warm-start cache (hf)")
     parser.add_argument("--quick-warm", action="store_true",

@@ -55,14 +55,18 @@ _TLS: list[ssl.SSLContext] = []
 """The process's one TLS context (built on first use)."""
 
 
-def make_client(base_url: str) -> openai.AsyncOpenAI:
-    """One client per agent. Its TLS context is built once per process and shared: building one
-    loads the CA bundle, ~25-50 ms of CPU per client (measured), which on a tiny model costs more
-    than the agent's calls."""
+def tls_context() -> ssl.SSLContext:
+    """The process's one TLS context: building one loads the CA bundle, ~25-50 ms of CPU
+    (measured), which on a tiny model costs more than an agent's calls."""
     if not _TLS:
         _TLS.append(ssl.create_default_context())
+    return _TLS[0]
+
+
+def make_client(base_url: str) -> openai.AsyncOpenAI:
+    """One client per agent, on the process's one TLS context (:func:`tls_context`)."""
     return openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0,
-                              http_client=openai.DefaultAsyncHttpxClient(verify=_TLS[0]))
+                              http_client=openai.DefaultAsyncHttpxClient(verify=tls_context()))
 
 
 async def agent(base_url: str, task: dict) -> None:
