@@ -49,7 +49,8 @@ import numpy as np
 import ray
 import torch
 
-from ray_xlong.cells.engines import EngineLayout, EngineLayoutError, Pins, sum_stats
+from ray_xlong.cells.engines import (EngineLayout, EngineLayoutError, EngineRouting, Pins,
+                                    sum_stats)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -170,6 +171,11 @@ class EngineActors:
     def live_runs(self) -> list[int]:
         """Runs pinned to each engine actor now (a cell drains once every entry is 0)."""
         return self.routing.live_runs
+
+    def report(self) -> EngineRouting:
+        """Runs per engine actor, the actors and where they run (:class:`EngineRouting`)."""
+        return EngineRouting(tuple(self.routing.runs_served), tuple(self.routing.live_runs),
+                             tuple(self.actors), tuple(self.infos))
 
     @property
     def policy_version(self) -> int:

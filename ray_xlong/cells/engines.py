@@ -132,6 +132,20 @@ class Pins:
         return load
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineRouting:
+    """Where a cell's runs went, per engine (``CellRunner.engine_routing``)."""
+
+    runs_served: tuple[int, ...]
+    """Runs pinned to each engine so far."""
+    live_runs: tuple[int, ...]
+    """Runs pinned to each engine now."""
+    actors: tuple[Any, ...] = ()
+    """Engine actor handles (``placement='actors'``; empty in the runner's process)."""
+    infos: tuple[Any, ...] = ()
+    """Their ``engine_actors.EngineActorInfo`` (GPU ids, ``CUDA_VISIBLE_DEVICES``, pid)."""
+
+
 def sum_stats(parts: Sequence[Any]) -> Any:
     """Engines' counters (``EngineStats``) added field by field."""
     fields = {f.name: sum(getattr(p, f.name) for p in parts)
@@ -153,6 +167,10 @@ class EngineSet:
     def runs_served(self) -> list[int]:
         """Runs pinned to each engine so far."""
         return self.routing.runs_served
+
+    def report(self) -> EngineRouting:
+        """Runs per engine (:class:`EngineRouting`)."""
+        return EngineRouting(tuple(self.routing.runs_served), tuple(self.routing.live_runs))
 
     async def generate(self, input_ids: np.ndarray, *, sampling: Any) -> Any:
         engine = self.engines[self.routing.engine_of(asyncio.current_task())]

@@ -146,6 +146,12 @@ class CellRunner(AgentEnvRunner):
         self.set_weights(self._sync_groups.receive(spec, version), version)
         return time.perf_counter() - t
 
+    def engine_routing(self) -> Any:
+        """Runs per engine, and with engine actors their handles and GPUs
+        (``cells.engines.EngineRouting``; None for a single engine)."""
+        report = getattr(self.engine, "report", None)
+        return report() if report is not None else None
+
     def engine_weights(self) -> list[dict[str, Any]]:
         """Each engine's model weights (an ``EngineSet`` or engine actors: every engine; ``{}``
         for an engine without a torch model), to check what a sync delivered."""
