@@ -145,6 +145,39 @@ def test_engine_actors_hold_their_own_gpus_and_runs_stay_on_theirs(cells):
     ray.get(runner.resume.remote(None, 0))
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_lost_engine_actor_takes_its_runner_down_and_the_cell_is_rebuilt(cells):
+    """Engine actor 1 of cell 0 is killed; the next run pinned to it finds it dead and the
+    runner exits (recovery's runner loss), taking engine actor 0 with it; the cell's runner is
+    rebuilt (``CellPool.replace``, what ``recovery.py`` calls) with two new engine actors that
+    serve runs again."""
+    import ray
+
+    cfg, pool = cells
+    old = routing(pool, 0)
+    ray.kill(old.actors[1], no_restart=True)
+    runner = pool.cells[0].runner
+    ray.get(runner.start_runs.remote([cfg.work.spec(950 + r, runs_per_group=1)
+                                      for r in range(2)]))  # pinned one to each actor
+    with pytest.raises(ray.exceptions.RayActorError):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ray.get(runner.num_live_runs.remote(), timeout=30)
+            time.sleep(0.1)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(old.actors[0].policy_version.remote(), timeout=30)
+    pool.replace(0, "runner")
+    new = routing(pool, 0)
+    assert len(new.infos) == 2 and not {i.pid for i in new.infos} & {i.pid for i in old.infos}
+    ray.get(pool.cells[0].runner.start_runs.remote([cfg.work.spec(960, runs_per_group=1)]))
+    results, deadline = [], time.monotonic() + 60
+    while not results and time.monotonic() < deadline:
+        results = ray.get(pool.cells[0].runner.sample_results.remote())
+        time.sleep(0.1)
+    assert [r.run.run_id for r in results] == [cfg.work.spec(960, runs_per_group=1).run_id]
+
+
 def run(cfg, pool, actuator_class=None):
     from ray_xlong.cells.actuator import RayActuator
 
