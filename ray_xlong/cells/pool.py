@@ -146,10 +146,17 @@ class CellActors:
     batch_of: Any = None
     """A sharded learner's Learner connector pipeline (``sharded.BatchOf``; the same pieces
     ``learner_class`` runs)."""
-    engine_actors: bool = False
-    """Whether the runner hosts its engines as actors of their own (``EngineLayout.placement
-    ='actors'``): the runner then asks Ray for no GPU (its engine actors take the cell's GPUs)
-    and CUDA Learner ranks are pinned to every bundle's GPUs."""
+    engines: Any = None
+    """The runner's ``engines.EngineLayout`` (placement resolved) when its engine factory is a
+    ``CellEngines``: checked against the layout before anything starts. None: one engine, or a
+    factory of the user's own (in the runner's process)."""
+
+    @property
+    def engine_actors(self) -> bool:
+        """Whether the runner hosts its engines as actors of their own (``EngineLayout.placement
+        ='actors'``): the runner then asks Ray for no GPU (its engine actors take the cell's
+        GPUs) and CUDA Learner ranks are pinned to every bundle's GPUs."""
+        return self.engines is not None and self.engines.placement == "actors"
 
     @property
     def sharded(self) -> bool:
@@ -255,10 +262,14 @@ def create_cells(layout: CellLayout, *, actors: CellActors,
 
     Raises:
         LayoutError: the layout does not fit the cluster's alive nodes.
+        EngineLayoutError: ``actors.engines`` does not divide the cell's GPUs.
     """
     t0 = time.perf_counter()
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     check_layout(layout, nodes)
+    if actors.engines is not None:
+        actors.engines.check(nodes_per_cell=layout.nodes_per_cell,
+                             gpus_per_node=layout.gpus_per_node)
     pgs = [placement_group([layout.bundle()] * layout.nodes_per_cell, strategy=layout.strategy)
            for _ in range(layout.cells)]
     try:

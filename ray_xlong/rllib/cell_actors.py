@@ -195,4 +195,4 @@ def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
         learner_class=XLongLearner,
         learner_kwargs={"config": config, "module_spec": spec},
         learner_settings=learner, sharding=sharding, batch_of=ConnectorBatches(config),
-        engine_actors=isinstance(engines, CellEngines) and engines.layout.placement == "actors")
+        engines=engines.layout if isinstance(engines, CellEngines) else None)

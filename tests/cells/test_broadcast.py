@@ -147,6 +147,25 @@ def test_engine_actors_hold_their_own_gpus_and_runs_stay_on_theirs(cells):
 
 @pytest.mark.ray
 @pytest.mark.slow
+def test_an_engine_layout_that_does_not_divide_the_cell_fails_before_anything_starts(cells):
+    """3 engine actors on a cell of 2 GPUs: ``create_cells`` refuses, naming the numbers, and
+    creates no placement group."""
+    from ray.util import placement_group_table
+
+    from ray_xlong.cells.engines import EngineLayoutError
+    from ray_xlong.cells.pool import CellActors
+
+    actors = CellActors(runner_class=object, runner_kwargs={}, learner_class=object,
+                        learner_kwargs={}, engines=EngineLayout(engines_per_cell=3,
+                                                                placement="actors"))
+    groups = len(placement_group_table())
+    with pytest.raises(EngineLayoutError, match=r"engines_per_cell=3 .* the cell's 2 GPUs"):
+        create_cells(LAYOUT, actors=actors)
+    assert len(placement_group_table()) == groups
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_a_lost_engine_actor_takes_its_runner_down_and_the_cell_is_rebuilt(cells):
     """Engine actor 1 of cell 0 is killed; the next run pinned to it finds it dead and the
     runner exits (recovery's runner loss), taking engine actor 0 with it; the cell's runner is

@@ -66,4 +66,4 @@ def test_cell_actors_decide_the_placement(model_dir, sharding, placement, runner
                          sharding=sharding and ShardingSettings(device=sharding))
     factory = actors.runner_kwargs["rollout_config"].engine_factory
     assert isinstance(factory, CellEngines) and factory.layout.placement == placement
-    assert actors.engine_actors is not runner_gpus
+    assert actors.engines == factory.layout and actors.engine_actors is not runner_gpus
