@@ -252,7 +252,7 @@ def _cell(ctx: Ctx, ranks: int, *, one_gpu: bool = False):
                                 mixed_precision="bf16" if ctx.device == "cuda" else None)
     ids = _visible_gpus()[:1 if one_gpu else ranks] if ctx.device == "cuda" else []
     cell = start_sharded_cell(pg=None, settings=settings, sharding=sharding, nodes_per_cell=1,
-                              gpus_per_node=len(ids), bundle0_gpu_ids=ids,
+                              gpus_per_node=len(ids), held_gpu_ids=[ids] if ids else (),
                               batch_of=ConnectorBatches(learner_config(settings,
                                                                        processor=CELL_PROC)[0]))
     ray.get(cell.build.remote())

@@ -3,8 +3,12 @@ run to one engine.
 
 ```
 rollout cell, nodes_per_cell × gpus_per_node GPUs
-  EngineLayout(engines_per_cell=E, tensor_parallel_size=T):  E · T divides the cell's GPUs
-  EngineSet = engines 0 … E-1 behind the one-engine protocol (rollout.engine.Engine)
+  EngineLayout(engines_per_cell=E, tensor_parallel_size=T, placement=P):  E · T divides the
+                                                                           cell's GPUs
+  P = process: EngineSet = engines 0 … E-1 in the runner's process, behind the one-engine
+               protocol (rollout.engine.Engine)
+  P = actors:  EngineActors = one Ray actor per engine with its T GPUs (cells/engine_actors.py),
+               behind the same protocol and the same pinning
     generate  from a run's task ─► the engine it was pinned to at its first call (least
               loaded then); a run never moves (its context lives in that engine's prefix cache)
     update_weights / sleep / wake_up ─► every engine (weights: one copy in, E loads)
@@ -12,8 +16,15 @@ rollout cell, nodes_per_cell × gpus_per_node GPUs
 ```
 
 A run is one asyncio task of the runner's loop (``AgentEnvRunner._start``), so the pin is
-keyed by the calling task and dropped when it ends. The runner hands the set in through
-``RolloutConfig.engine_factory`` (:func:`engine_set_factory`), so the runner is unchanged.
+keyed by the calling task and dropped when it ends (:class:`Pins`, shared by both placements).
+The runner hands the set in through ``RolloutConfig.engine_factory`` (:func:`engine_set_factory`,
+a :class:`CellEngines`), so the runner is unchanged.
+
+Where the engines live (``EngineLayout.placement``): ``process`` keeps them in the runner's
+process (fast to start, what CPU cells use); ``actors`` gives each its own actor in the cell's
+placement group, so that Ray hands each engine its own GPUs and ``CUDA_VISIBLE_DEVICES`` (several
+vLLM engines, or tensor-parallel workers, cannot share one process's view of a bundle's GPUs).
+None resolves to ``actors`` on a CUDA cell, ``process`` otherwise (:meth:`EngineLayout.resolve`).
 """
 
 from __future__ import annotations
@@ -24,6 +35,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
+
+
+PLACEMENTS = ("process", "actors")
+"""``EngineLayout.placement`` values."""
 
 
 class EngineLayoutError(ValueError):
@@ -38,12 +53,27 @@ class EngineLayout:
     """Data-parallel engines on the cell (each serves its own runs)."""
     tensor_parallel_size: int = 1
     """GPUs per engine (vLLM ``tensor_parallel_size``; 1 on CPU)."""
+    placement: str | None = None
+    """Where the engines live: ``process`` (all in the runner's process, an :class:`EngineSet`)
+    or ``actors`` (one Ray actor per engine in the cell's placement group, holding its
+    ``tensor_parallel_size`` GPUs: ``cells/engine_actors.py``). None: ``actors`` on a CUDA cell,
+    ``process`` otherwise (:meth:`resolve`)."""
 
     def __post_init__(self) -> None:
         for name in ("engines_per_cell", "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EngineLayoutError(f"EngineLayout.{name} must be an int >= 1, got {value!r}")
+        if self.placement not in (None,) + PLACEMENTS:
+            raise EngineLayoutError(f"EngineLayout.placement must be one of {PLACEMENTS} or "
+                                    f"None, got {self.placement!r}")
+
+    def resolve(self, device: str) -> EngineLayout:
+        """This layout with ``placement`` decided for a cell on ``device`` (``cpu`` | ``cuda``,
+        ``ShardingSettings.device``): None becomes ``actors`` on CUDA, ``process`` on CPU."""
+        if self.placement is not None:
+            return self
+        return dataclasses.replace(self, placement="actors" if device == "cuda" else "process")
 
     def check(self, *, nodes_per_cell: int, gpus_per_node: int) -> int:
         """Validate against the cell (pure). Returns the GPUs each engine gets (0 on CPU).
@@ -72,32 +102,78 @@ class EngineLayout:
         return gpus // self.engines_per_cell
 
 
-class EngineSet:
-    """Several engines behind the one-engine protocol; runs pinned (module docstring)."""
+class Pins:
+    """Which engine each run (an asyncio task of the runner's loop) is pinned to: the least
+    loaded one at its first call; the pin is dropped when the task ends."""
 
-    def __init__(self, engines: Sequence[Any]) -> None:
-        if not engines:
-            raise ValueError("EngineSet.engines: need at least one engine")
-        self.engines = list(engines)
+    def __init__(self, engines: int) -> None:
+        self.engines = engines
         self.pins: dict[asyncio.Task, int] = {}
-        self.runs_served = [0] * len(self.engines)
+        self.runs_served = [0] * engines
+        """Runs pinned to each engine so far."""
 
-    # -- routing -------------------------------------------------------------------------------
     def engine_of(self, task: asyncio.Task | None) -> int:
         """The engine ``task``'s run is pinned to (pinning it to the least-loaded one first)."""
         if task is None:
             return 0
         if task not in self.pins:
-            load = [0] * len(self.engines)
-            for e in self.pins.values():
-                load[e] += 1
-            self.pins[task] = min(range(len(self.engines)), key=lambda e: (load[e], e))
+            load = self.live_runs
+            self.pins[task] = min(range(self.engines), key=lambda e: (load[e], e))
             self.runs_served[self.pins[task]] += 1
             task.add_done_callback(lambda t: self.pins.pop(t, None))
         return self.pins[task]
 
+    @property
+    def live_runs(self) -> list[int]:
+        """Runs pinned to each engine now (a cell drains once every entry is 0)."""
+        load = [0] * self.engines
+        for e in self.pins.values():
+            load[e] += 1
+        return load
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineRouting:
+    """Where a cell's runs went, per engine (``CellRunner.engine_routing``)."""
+
+    runs_served: tuple[int, ...]
+    """Runs pinned to each engine so far."""
+    live_runs: tuple[int, ...]
+    """Runs pinned to each engine now."""
+    actors: tuple[Any, ...] = ()
+    """Engine actor handles (``placement='actors'``; empty in the runner's process)."""
+    infos: tuple[Any, ...] = ()
+    """Their ``engine_actors.EngineActorInfo`` (GPU ids, ``CUDA_VISIBLE_DEVICES``, pid)."""
+
+
+def sum_stats(parts: Sequence[Any]) -> Any:
+    """Engines' counters (``EngineStats``) added field by field."""
+    fields = {f.name: sum(getattr(p, f.name) for p in parts)
+              for f in dataclasses.fields(parts[0])}
+    return dataclasses.replace(parts[0], **fields)
+
+
+class EngineSet:
+    """Several engines in the runner's process behind the one-engine protocol; runs pinned
+    (module docstring)."""
+
+    def __init__(self, engines: Sequence[Any]) -> None:
+        if not engines:
+            raise ValueError("EngineSet.engines: need at least one engine")
+        self.engines = list(engines)
+        self.routing = Pins(len(self.engines))
+
+    @property
+    def runs_served(self) -> list[int]:
+        """Runs pinned to each engine so far."""
+        return self.routing.runs_served
+
+    def report(self) -> EngineRouting:
+        """Runs per engine (:class:`EngineRouting`)."""
+        return EngineRouting(tuple(self.routing.runs_served), tuple(self.routing.live_runs))
+
     async def generate(self, input_ids: np.ndarray, *, sampling: Any) -> Any:
-        engine = self.engines[self.engine_of(asyncio.current_task())]
+        engine = self.engines[self.routing.engine_of(asyncio.current_task())]
         return await engine.generate(input_ids, sampling=sampling)
 
     # -- every engine --------------------------------------------------------------------------
@@ -116,10 +192,7 @@ class EngineSet:
     @property
     def live_runs(self) -> list[int]:
         """Runs pinned to each engine now (a cell drains once every entry is 0)."""
-        load = [0] * len(self.engines)
-        for e in self.pins.values():
-            load[e] += 1
-        return load
+        return self.routing.live_runs
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor], *,
                              version: int) -> None:
@@ -134,28 +207,45 @@ class EngineSet:
 
     def stats(self) -> Any:
         """The engines' counters added field by field (``EngineStats``)."""
-        parts = [e.stats() for e in self.engines]
-        fields = {f.name: sum(getattr(p, f.name) for p in parts)
-                  for f in dataclasses.fields(parts[0])}
-        return dataclasses.replace(parts[0], **fields)
+        return sum_stats([e.stats() for e in self.engines])
 
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines))
 
 
-def engine_set_factory(layout: EngineLayout, make: Callable[[int, int], Any]
-                       ) -> Callable[[], EngineSet]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class CellEngines:
+    """A ``RolloutConfig.engine_factory`` for a cell's engines (picklable; called in the
+    runner's process, on its loop)."""
+
+    layout: EngineLayout
+    """How many engines, their size and where they live (``placement`` None: ``process``;
+    ``rllib.cell_actors.cell_actors`` resolves it for the cell's device first)."""
+    make: Callable[[int, int], Any]
+    """``make(index, tensor_parallel_size) -> Engine``: builds engine ``index`` (in the
+    runner's process, or in that engine's actor)."""
+
+    def __call__(self) -> Any:
+        if self.layout.placement == "actors":
+            from ray_xlong.cells.engine_actors import start_engine_actors
+
+            return start_engine_actors(self.layout, self.make)
+        return EngineSet([self.make(i, self.layout.tensor_parallel_size)
+                          for i in range(self.layout.engines_per_cell)])
+
+    def resolve(self, device: str) -> CellEngines:
+        """This factory with its layout's placement decided (:meth:`EngineLayout.resolve`)."""
+        return dataclasses.replace(self, layout=self.layout.resolve(device))
+
+
+def engine_set_factory(layout: EngineLayout, make: Callable[[int, int], Any]) -> CellEngines:
     """A ``RolloutConfig.engine_factory`` building ``layout.engines_per_cell`` engines with
     ``make(index, tensor_parallel_size)`` (e.g. an ``HFEngine`` on CPU, a ``VLLMEngine`` per
-    GPU group on CUDA)."""
-    def build() -> EngineSet:
-        return EngineSet([make(i, layout.tensor_parallel_size)
-                          for i in range(layout.engines_per_cell)])
-    return build
+    GPU group on CUDA), where ``layout.placement`` puts them."""
+    return CellEngines(layout, make)
 
 
-def replicated_engine_set(layout: EngineLayout, factory: Callable[[], Any]
-                          ) -> Callable[[], EngineSet]:
+def replicated_engine_set(layout: EngineLayout, factory: Callable[[], Any]) -> CellEngines:
     """:func:`engine_set_factory` whose engines are each ``factory()`` (a picklable engine
     factory, e.g. ``RolloutConfig.engine_factory``; CPU engines: no tensor parallelism)."""
     if layout.tensor_parallel_size != 1:

@@ -4,19 +4,23 @@
 cell c = placement group, strategy STRICT_SPREAD (one bundle per node) or PACK
   bundle 0 {CPU: cpus_per_bundle, GPU: gpus_per_node [, learner_resource: 1]}  ◄─ runner
   bundle 1 … nodes_per_cell-1 (the cell's other nodes)                               learner
+  with engine actors (CellActors.engine_actors): the runner starts one actor per engine on
+  the cell's bundles (cells/engine_actors.py); they hold the GPUs, the runner none
 ```
 
 Which classes the runner and the learner are is not this module's business: a
 :class:`CellActors` names them (the RLlib adapter's ``CellRunner`` / ``XLongLearner``, see
 ``ray_xlong.rllib.cell_actors``), so the runtime needs no RLlib.
 
-Both actors of a cell share bundle 0 (half its CPUs each; the runner takes the bundle's GPUs).
+Both actors of a cell share bundle 0 (half its CPUs each; the runner takes the bundle's GPUs,
+unless its engines are actors of their own: then they take them).
 The Learner never asks for "GPU" on a host without CUDA (RLlib's NCCL path fails on logical
 GPUs): it takes CPU from the bundle, or ``learner_resource`` when one is configured. With
 ``ShardingSettings.device='cuda'`` the learner is a ``ShardedCell`` (NCCL, one CUDA device a
 rank: ``sharding.rank_placements``); :func:`create_cells` first probes bundle 0 of every cell
-with a task holding its GPUs: no CUDA device there (logical GPUs) is a ``ShardingError`` naming
-the field before any actor starts. A role
+(every bundle, with engine actors) with a task holding its GPUs: no CUDA device there (logical
+GPUs) is a ``ShardingError`` naming the field before any actor starts; the ids found are the
+GPUs the ranks of those bundles are pinned to. A role
 switch sleeps one actor and wakes the other; placement groups are never created after
 :func:`create_cells` (``CellPool.placement_groups_created`` counts them).
 
@@ -142,6 +146,17 @@ class CellActors:
     batch_of: Any = None
     """A sharded learner's Learner connector pipeline (``sharded.BatchOf``; the same pieces
     ``learner_class`` runs)."""
+    engines: Any = None
+    """The runner's ``engines.EngineLayout`` (placement resolved) when its engine factory is a
+    ``CellEngines``: checked against the layout before anything starts. None: one engine, or a
+    factory of the user's own (in the runner's process)."""
+
+    @property
+    def engine_actors(self) -> bool:
+        """Whether the runner hosts its engines as actors of their own (``EngineLayout.placement
+        ='actors'``): the runner then asks Ray for no GPU (its engine actors take the cell's
+        GPUs) and CUDA Learner ranks are pinned to every bundle's GPUs."""
+        return self.engines is not None and self.engines.placement == "actors"
 
     @property
     def sharded(self) -> bool:
@@ -247,10 +262,14 @@ def create_cells(layout: CellLayout, *, actors: CellActors,
 
     Raises:
         LayoutError: the layout does not fit the cluster's alive nodes.
+        EngineLayoutError: ``actors.engines`` does not divide the cell's GPUs.
     """
     t0 = time.perf_counter()
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     check_layout(layout, nodes)
+    if actors.engines is not None:
+        actors.engines.check(nodes_per_cell=layout.nodes_per_cell,
+                             gpus_per_node=layout.gpus_per_node)
     pgs = [placement_group([layout.bundle()] * layout.nodes_per_cell, strategy=layout.strategy)
            for _ in range(layout.cells)]
     try:
@@ -259,8 +278,8 @@ def create_cells(layout: CellLayout, *, actors: CellActors,
         raise LayoutError(f"CellLayout: {layout.cells} placement groups of "
                           f"{layout.nodes_per_cell} × {layout.bundle()} not placed within "
                           f"{ready_timeout_s:g} s") from None
-    gpu_ids = _probe_cuda(pgs, layout) if actors.sharded and actors.sharding.device == "cuda" \
-        else [() for _ in pgs]
+    gpu_ids = _probe_cuda(pgs, layout, all_bundles=actors.engine_actors) \
+        if actors.sharded and actors.sharding.device == "cuda" else [() for _ in pgs]
 
     def spawn(index: int, pg: Any, which: str) -> Any:
         return _start_actor(index, pg, which, layout, actors, gpu_ids[index])
@@ -275,20 +294,27 @@ def create_cells(layout: CellLayout, *, actors: CellActors,
     return pool
 
 
-def _probe_cuda(pgs: Sequence[Any], layout: CellLayout) -> list[tuple[str, ...]]:
-    """Bundle 0's Ray GPU ids of every cell, from a task holding them; removes the placement
-    groups and raises when that task sees no CUDA device (logical GPUs)."""
-    on = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0) for pg in pgs]
-    probes = ray.get([_bundle_gpus.options(num_gpus=layout.gpus_per_node,
-                                           scheduling_strategy=s).remote() for s in on])
-    for cell, (ids, count) in enumerate(probes):
-        if count < len(ids) or not ids:
-            for pg in pgs:
-                remove_placement_group(pg)
-            raise ShardingError(
-                f"ShardingSettings.device='cuda' but cell {cell}'s bundle 0 holds Ray GPUs {ids}"
-                f" and torch sees {count} CUDA devices there (logical GPUs?): use device='cpu'")
-    return [tuple(ids) for ids, _ in probes]
+def _probe_cuda(pgs: Sequence[Any], layout: CellLayout, *, all_bundles: bool = False
+                ) -> list[list[tuple[str, ...]]]:
+    """Per cell, the Ray GPU ids of bundle 0 (of every bundle with ``all_bundles``), each from
+    a task holding them; removes the placement groups and raises when a task sees no CUDA
+    device (logical GPUs)."""
+    bundles = range(layout.nodes_per_cell if all_bundles else 1)
+    refs = [[_bundle_gpus.options(num_gpus=layout.gpus_per_node,
+                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                      pg, placement_group_bundle_index=b)).remote()
+             for b in bundles] for pg in pgs]
+    probes = [ray.get(r) for r in refs]
+    for cell, cell_probes in enumerate(probes):
+        for b, (ids, count) in enumerate(cell_probes):
+            if count < len(ids) or not ids:
+                for pg in pgs:
+                    remove_placement_group(pg)
+                raise ShardingError(
+                    f"ShardingSettings.device='cuda' but cell {cell}'s bundle {b} holds Ray GPUs"
+                    f" {ids} and torch sees {count} CUDA devices there (logical GPUs?): use "
+                    f"device='cpu'")
+    return [[tuple(ids) for ids, _ in cell_probes] for cell_probes in probes]
 
 
 @ray.remote(num_cpus=0)
@@ -300,18 +326,19 @@ def _bundle_gpus() -> tuple[list[str], int]:
 
 
 def _start_actor(index: int, pg: Any, which: str, layout: CellLayout,
-                 actors: CellActors, gpu_ids: Sequence[str] = ()) -> Any:
+                 actors: CellActors, gpu_ids: Sequence[Sequence[str]] = ()) -> Any:
     """Start cell ``index``'s runner or learner on bundle 0 of ``pg`` (not waiting for it)."""
     on_cell = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
     half = layout.cpus_per_bundle / 2
     if which == "runner":
+        gpus = 0 if actors.engine_actors else layout.gpus_per_node
         return ray.remote(concurrency_groups={"poll": 1})(actors.runner_class).options(
-            num_cpus=half, num_gpus=layout.gpus_per_node, scheduling_strategy=on_cell).remote(
+            num_cpus=half, num_gpus=gpus, scheduling_strategy=on_cell).remote(
                 cell=index, **actors.runner_kwargs)
     if actors.sharded:
         return start_sharded_cell(pg=pg, settings=actors.learner_settings,
                                   sharding=actors.sharding, nodes_per_cell=layout.nodes_per_cell,
-                                  gpus_per_node=layout.gpus_per_node, bundle0_gpu_ids=gpu_ids,
+                                  gpus_per_node=layout.gpus_per_node, held_gpu_ids=gpu_ids,
                                   batch_of=actors.batch_of)
     extra = {} if layout.learner_resource == "CPU" else {layout.learner_resource: 1.0}
     return ray.remote(actors.learner_class).options(

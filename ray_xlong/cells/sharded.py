@@ -357,12 +357,12 @@ def kill(actor: Any) -> None:
 
 def start_sharded_cell(*, pg: Any, settings: LearnerSettings, sharding: ShardingSettings,
                        nodes_per_cell: int, gpus_per_node: int,
-                       bundle0_gpu_ids: Sequence[str] = (),
+                       held_gpu_ids: Sequence[Sequence[str]] = (),
                        cpus_per_rank: float = 0.0,
                        batch_of: BatchOf | None = None) -> ShardedCell:
     """Start ``sharding.ranks_per_cell`` ranks on the bundles of ``pg`` (the same number on
-    each, placed by ``sharding.rank_placements``: on CUDA one device per rank, bundle 0's ranks
-    on the GPUs ``bundle0_gpu_ids`` its runner holds), form their process group and shard the
+    each, placed by ``sharding.rank_placements``: on CUDA one device per rank, the ranks of a
+    bundle whose GPUs the rollout side holds pinned to ``held_gpu_ids`` of that bundle), form their process group and shard the
     model. Returns at once: ``handle.build.remote()`` resolves when every rank is set up.
     ``batch_of(run_ids, advantages, payloads)`` → module-batch tensors is the Learner connector
     pipeline ``accumulate_runs`` runs (the RLlib adapter hands in
@@ -375,7 +375,7 @@ def start_sharded_cell(*, pg: Any, settings: LearnerSettings, sharding: Sharding
 
     world = sharding.ranks_per_cell
     places = rank_placements(sharding, nodes_per_cell=nodes_per_cell,
-                             gpus_per_node=gpus_per_node, bundle0_gpu_ids=bundle0_gpu_ids)
+                             gpus_per_node=gpus_per_node, held_gpu_ids=held_gpu_ids)
     ranks = []
     for p in places:
         env = {} if p.visible_devices is None else {

@@ -12,10 +12,15 @@ GPU placement (``rank_placements``, device ``cuda``): every rank drives one CUDA
 rollout cell's engines and its Learner ranks time-share the same GPUs (the runner sleeps its
 engines while the cell trains)::
 
+  engines in the runner (EngineLayout.placement='process'):
   bundle 0   the runner holds the bundle's GPUs in Ray's accounting (its engines use them);
              its ranks ask Ray for none and are pinned to those GPUs by CUDA_VISIBLE_DEVICES
              (rank l of the bundle → the bundle's GPU l · gpus_per_node / ranks per bundle)
   bundle b>0 no runner there: each rank asks Ray for one whole GPU (Ray pins it)
+
+  engine actors (EngineLayout.placement='actors', cells/engine_actors.py):
+  bundle b   engine actors hold the bundle's GPUs: every rank asks Ray for none and is pinned
+             to its bundle's GPUs as above (the rollout side holds every bundle's GPUs)
 
 Ray does not touch ``CUDA_VISIBLE_DEVICES`` of an actor that asks for no GPU (Ray 2.60), so the
 pin set through the rank's ``runtime_env`` holds. On CPU no rank asks for a GPU (a learner that
@@ -126,38 +131,41 @@ class RankPlacement:
     bundle: int
     """The cell's bundle (placement group bundle index) it runs in."""
     num_gpus: float
-    """GPUs it asks Ray for (0 on CPU, and on bundle 0, whose GPUs the runner holds)."""
+    """GPUs it asks Ray for (0 on CPU, and on a bundle whose GPUs the rollout side holds)."""
     visible_devices: str | None
     """``CUDA_VISIBLE_DEVICES`` it is started with (None: Ray's or the node's own)."""
 
 
 def rank_placements(settings: ShardingSettings, *, nodes_per_cell: int, gpus_per_node: int,
-                    bundle0_gpu_ids: Sequence[str] = ()) -> list[RankPlacement]:
+                    held_gpu_ids: Sequence[Sequence[str]] = ()) -> list[RankPlacement]:
     """Every rank's :class:`RankPlacement` (pure; the module docstring draws the layout).
 
     Args:
         settings: the cell's ranks and device.
         nodes_per_cell, gpus_per_node: the cell's ``CellLayout``.
-        bundle0_gpu_ids: the Ray GPU ids of the cell's bundle 0 (what the runner holds; needed
-            on CUDA: the ranks there are pinned to them).
+        held_gpu_ids: the Ray GPU ids of the cell's bundles 0 … k-1 whose GPUs the rollout
+            side holds (needed on CUDA: the ranks there are pinned to them): bundle 0's alone
+            when the runner hosts the engines, every bundle's with engine actors.
 
     Raises:
         ShardingError: the layout cannot host the ranks (:func:`ranks_per_bundle`), or on CUDA
-            ``bundle0_gpu_ids`` does not list the bundle's ``gpus_per_node`` GPUs.
+            ``held_gpu_ids`` lists no bundle or a bundle without its ``gpus_per_node`` GPUs.
     """
     per = ranks_per_bundle(settings, nodes_per_cell=nodes_per_cell, gpus_per_node=gpus_per_node)
     cuda = settings.device == "cuda"
-    if cuda and len(bundle0_gpu_ids) != gpus_per_node:
-        raise ShardingError(f"ShardingSettings.device='cuda': bundle 0 of the cell holds GPUs "
-                            f"{list(bundle0_gpu_ids)}, CellLayout.gpus_per_node={gpus_per_node}")
+    if cuda and (not held_gpu_ids or any(len(ids) != gpus_per_node for ids in held_gpu_ids)):
+        raise ShardingError(f"ShardingSettings.device='cuda': the cell's bundles hold GPUs "
+                            f"{[list(ids) for ids in held_gpu_ids]}, "
+                            f"CellLayout.gpus_per_node={gpus_per_node}")
     stride = gpus_per_node // per if cuda else 0
     out = []
     for rank in range(settings.ranks_per_cell):
         bundle, local = divmod(rank, per)
         if not cuda:
             out.append(RankPlacement(rank, bundle, 0.0, None))
-        elif bundle == 0:
-            out.append(RankPlacement(rank, 0, 0.0, str(bundle0_gpu_ids[local * stride])))
+        elif bundle < len(held_gpu_ids):
+            out.append(RankPlacement(rank, bundle, 0.0,
+                                     str(held_gpu_ids[bundle][local * stride])))
         else:
             out.append(RankPlacement(rank, bundle, 1.0, None))
     return out

@@ -21,6 +21,7 @@ import ray
 import torch
 
 from ray_xlong.cells.config import LearnerSettings
+from ray_xlong.cells.engines import CellEngines
 from ray_xlong.cells.pool import CellActors
 from ray_xlong.cells.spool import RunSpool
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
@@ -137,14 +138,25 @@ class CellRunner(AgentEnvRunner):
         from ray_xlong.cells.weight_sync import SyncGroups
 
         t = time.perf_counter()
+        if hasattr(self.engine, "receive_weights"):    # engine actors: the first receives
+            self._call(self.engine.receive_weights(spec, version))
+            return time.perf_counter() - t
         if not hasattr(self, "_sync_groups"):
             self._sync_groups = SyncGroups()
         self.set_weights(self._sync_groups.receive(spec, version), version)
         return time.perf_counter() - t
 
+    def engine_routing(self) -> Any:
+        """Runs per engine, and with engine actors their handles and GPUs
+        (``cells.engines.EngineRouting``; None for a single engine)."""
+        report = getattr(self.engine, "report", None)
+        return report() if report is not None else None
+
     def engine_weights(self) -> list[dict[str, Any]]:
-        """Each engine's model weights (an ``EngineSet``: every engine; ``{}`` for an engine
-        without a torch model), to check what a sync delivered."""
+        """Each engine's model weights (an ``EngineSet`` or engine actors: every engine; ``{}``
+        for an engine without a torch model), to check what a sync delivered."""
+        if hasattr(self.engine, "engine_weights"):
+            return self.engine.engine_weights()
         engines = getattr(self.engine, "engines", [self.engine])
         return [{k: v.detach().cpu().clone() for k, v in e.model.state_dict().items()}
                 if isinstance(getattr(e, "model", None), torch.nn.Module) else {}
@@ -164,11 +176,17 @@ def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
     and the learner (:class:`XLongLearner` on ``learner``, seeded; its Learner connector
     pipeline runs the user's ``learner_connector`` pieces, then ``PrefixTreeConnector``). With
     ``sharding`` of more than one rank (or on CUDA) a cell's learner is a set of ranks instead,
-    running the same pipeline (:class:`ConnectorBatches`)."""
+    running the same pipeline (:class:`ConnectorBatches`). A ``rollout.engine_factory`` that is
+    a ``CellEngines`` gets its ``EngineLayout.placement`` decided here when None (engine
+    actors on ``sharding.device='cuda'``), and with engine actors the runner holds no GPU."""
     from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 
     config, spec = learner_config(learner, seed=seed, processor=processor,
                                   learner_connector=learner_connector)
+    engines = rollout.engine_factory
+    if isinstance(engines, CellEngines):       # placement None: decided by the cell's device
+        engines = engines.resolve(sharding.device if sharding is not None else "cpu")
+        rollout = dataclasses.replace(rollout, engine_factory=engines)
     return CellActors(
         runner_class=CellRunner,
         runner_kwargs={"config": AlgorithmConfig(), "rollout_config": rollout,
@@ -176,4 +194,5 @@ def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
                        "processor": processor, "agent_tasks": dict(agent_tasks or {})},
         learner_class=XLongLearner,
         learner_kwargs={"config": config, "module_spec": spec},
-        learner_settings=learner, sharding=sharding, batch_of=ConnectorBatches(config))
+        learner_settings=learner, sharding=sharding, batch_of=ConnectorBatches(config),
+        engines=engines.layout if isinstance(engines, CellEngines) else None)

@@ -70,17 +70,23 @@ def test_model_size_is_counted_without_weights(tmp_path):
     pytest.param(4, 2, 8, (), [(0, 0.0, None), (0, 0.0, None), (1, 0.0, None), (1, 0.0, None)],
                  id="cpu-2-bundles"),
     # CUDA, one bundle of 4 GPUs, 2 ranks: pinned to the runner's GPUs 0 and 2 (stride 4/2)
-    pytest.param(2, 1, 4, ("4", "5", "6", "7"), [(0, 0.0, "4"), (0, 0.0, "6")], id="cuda-bundle0"),
+    pytest.param(2, 1, 4, [("4", "5", "6", "7")], [(0, 0.0, "4"), (0, 0.0, "6")],
+                 id="cuda-bundle0"),
     # CUDA, 2 bundles × 2 GPUs, 4 ranks: bundle 0 pinned, bundle 1 one whole Ray GPU each
-    pytest.param(4, 2, 2, ("0", "1"), [(0, 0.0, "0"), (0, 0.0, "1"), (1, 1.0, None),
-                                       (1, 1.0, None)], id="cuda-2-bundles"),
+    pytest.param(4, 2, 2, [("0", "1")], [(0, 0.0, "0"), (0, 0.0, "1"), (1, 1.0, None),
+                                         (1, 1.0, None)], id="cuda-2-bundles"),
+    # CUDA, engine actors hold both bundles' GPUs: every rank pinned to its bundle's, none
+    # asks Ray for a GPU
+    pytest.param(4, 2, 2, [("0", "1"), ("2", "3")], [(0, 0.0, "0"), (0, 0.0, "1"),
+                                                     (1, 0.0, "2"), (1, 0.0, "3")],
+                 id="cuda-engine-actors"),
     # CUDA, one unsharded rank on an 8-GPU bundle: the bundle's first GPU
-    pytest.param(1, 2, 8, tuple(map(str, range(8))), [(0, 0.0, "0")], id="cuda-one-rank"),
+    pytest.param(1, 2, 8, [tuple(map(str, range(8)))], [(0, 0.0, "0")], id="cuda-one-rank"),
 ])
 def test_rank_placements(ranks, nodes, gpus, ids, want):
     device = "cuda" if ids else "cpu"
     got = rank_placements(ShardingSettings(ranks_per_cell=ranks, device=device),
-                          nodes_per_cell=nodes, gpus_per_node=gpus, bundle0_gpu_ids=ids)
+                          nodes_per_cell=nodes, gpus_per_node=gpus, held_gpu_ids=ids)
     assert [(p.bundle, p.num_gpus, p.visible_devices) for p in got] == want
     assert [p.rank for p in got] == list(range(ranks))
 
@@ -88,4 +94,4 @@ def test_rank_placements(ranks, nodes, gpus, ids, want):
 def test_cuda_placement_needs_the_bundles_gpu_ids():
     with pytest.raises(ShardingError, match=r"ShardingSettings.device='cuda'.*gpus_per_node=4"):
         rank_placements(ShardingSettings(ranks_per_cell=2, device="cuda"), nodes_per_cell=1,
-                        gpus_per_node=4, bundle0_gpu_ids=("0",))
+                        gpus_per_node=4, held_gpu_ids=[("0",)])
