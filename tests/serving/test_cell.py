@@ -28,12 +28,16 @@ def free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_serve_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_serve_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path, engine):
+    if engine == "vllm":
+        pytest.importorskip("vllm")
     model = build_tiny_model_dir(tmp_path / "tiny-chatml", seed=0, style="chatml")
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "ray_xlong.cli", "serve", "--model-dir",
-                             str(model), "--port", str(port)], stdout=subprocess.PIPE,
+                             str(model), "--port", str(port), "--engine", engine],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         line = proc.stdout.readline().strip()
