@@ -50,7 +50,7 @@ import ray
 import torch
 
 from ray_xlong.cells.engines import (EngineLayout, EngineLayoutError, EngineRouting, Pins,
-                                    sum_stats)
+                                    model_weights, sum_stats)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -143,11 +143,8 @@ class EngineActor:
         return self.engine.policy_version
 
     def model_weights(self) -> dict[str, torch.Tensor]:
-        """The engine's model weights (``{}`` without a torch model), to check a sync."""
-        model = getattr(self.engine, "model", None)
-        if not isinstance(model, torch.nn.Module):
-            return {}
-        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        """The engine's model weights (``engines.model_weights``), to check a sync."""
+        return model_weights(self.engine)
 
 
 class EngineActors:

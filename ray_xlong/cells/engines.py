@@ -146,6 +146,15 @@ class EngineRouting:
     """Their ``engine_actors.EngineActorInfo`` (GPU ids, ``CUDA_VISIBLE_DEVICES``, pid)."""
 
 
+def model_weights(engine: Any) -> dict[str, torch.Tensor]:
+    """A host copy of ``engine``'s model weights (``{}`` for an engine without a torch model),
+    to check what a sync delivered."""
+    model = getattr(engine, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
 def sum_stats(parts: Sequence[Any]) -> Any:
     """Engines' counters (``EngineStats``) added field by field."""
     fields = {f.name: sum(getattr(p, f.name) for p in parts)
@@ -208,6 +217,10 @@ class EngineSet:
     def stats(self) -> Any:
         """The engines' counters added field by field (``EngineStats``)."""
         return sum_stats([e.stats() for e in self.engines])
+
+    def engine_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Each engine's model weights (:func:`model_weights`)."""
+        return [model_weights(e) for e in self.engines]
 
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines))

@@ -362,8 +362,9 @@ def start_sharded_cell(*, pg: Any, settings: LearnerSettings, sharding: Sharding
                        batch_of: BatchOf | None = None) -> ShardedCell:
     """Start ``sharding.ranks_per_cell`` ranks on the bundles of ``pg`` (the same number on
     each, placed by ``sharding.rank_placements``: on CUDA one device per rank, the ranks of a
-    bundle whose GPUs the rollout side holds pinned to ``held_gpu_ids`` of that bundle), form their process group and shard the
-    model. Returns at once: ``handle.build.remote()`` resolves when every rank is set up.
+    bundle whose GPUs the rollout side holds pinned to ``held_gpu_ids`` of that bundle), form
+    their process group and shard the model. Returns at once: ``handle.build.remote()``
+    resolves when every rank is set up.
     ``batch_of(run_ids, advantages, payloads)`` → module-batch tensors is the Learner connector
     pipeline ``accumulate_runs`` runs (the RLlib adapter hands in
     ``rllib.learner.ConnectorBatches``: this package imports no RLlib).

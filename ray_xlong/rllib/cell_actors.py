@@ -18,10 +18,9 @@ import time
 from typing import Any, Callable, Mapping
 
 import ray
-import torch
 
 from ray_xlong.cells.config import LearnerSettings
-from ray_xlong.cells.engines import CellEngines
+from ray_xlong.cells.engines import CellEngines, model_weights
 from ray_xlong.cells.pool import CellActors
 from ray_xlong.cells.spool import RunSpool
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
@@ -157,10 +156,7 @@ class CellRunner(AgentEnvRunner):
         for an engine without a torch model), to check what a sync delivered."""
         if hasattr(self.engine, "engine_weights"):
             return self.engine.engine_weights()
-        engines = getattr(self.engine, "engines", [self.engine])
-        return [{k: v.detach().cpu().clone() for k, v in e.model.state_dict().items()}
-                if isinstance(getattr(e, "model", None), torch.nn.Module) else {}
-                for e in engines]
+        return [model_weights(self.engine)]
 
 
 def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,

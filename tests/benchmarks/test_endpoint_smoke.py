@@ -16,7 +16,8 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "endpoint.
 @pytest.mark.slow
 def test_endpoint_benchmark_smoke(tmp_path):
     out = tmp_path / "endpoint.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--runs", "2", "--turns", "2", "--repeats", "2",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--runs", "2", "--turns", "2",
+                           "--repeats", "2",
                            "--engines", "scripted,hf", "--quick-warm", "--workdir",
                            str(tmp_path / "cache"), "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
@@ -25,7 +26,8 @@ def test_endpoint_benchmark_smoke(tmp_path):
     assert "| engine | overhead p50 ms (one run) |" in proc.stdout
     data = json.loads(out.read_text())
     scripted, hf = data["scripted"], data["hf"]
-    assert scripted["harness"]["calls"] == scripted["endpoint"]["calls"] == 12   # 2 repeats x 2 runs x 3
+    # 2 repeats × 2 runs × 3 calls (2 tool turns and the answer)
+    assert scripted["harness"]["calls"] == scripted["endpoint"]["calls"] == 12
     assert scripted["endpoint"]["trajectories_per_run"] == 1.0
     assert hf["endpoint"]["calls"] >= 2 and hf["harness"]["calls"] >= 2
     for res in (scripted, hf):
