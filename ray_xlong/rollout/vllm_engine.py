@@ -2,9 +2,11 @@
 
 The engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), with prefix caching
 on and no tokenizer (``skip_tokenizer_init``: requests are ``TokensPrompt`` ids, outputs are
-ids). A batch of pending requests is one ``llm.generate`` call, which vLLM schedules with
-continuous batching and its prefix cache; logprobs are vLLM's raw logprobs (``logprobs=0``:
-the sampled id's own), ``num_cached_tokens`` comes from each ``RequestOutput``.
+ids). Requests go straight to vLLM's engine (``llm_engine.add_request``) as they arrive and
+each ``_step`` is one ``llm_engine.step()``: vLLM's scheduler batches them continuously with its
+prefix cache, and a request is answered the step it finishes (``FINAL_ONLY`` outputs);
+a request whose caller left is aborted. Logprobs are vLLM's raw logprobs (``logprobs=0``: the
+sampled id's own), ``num_cached_tokens`` comes from each ``RequestOutput``.
 
 Weights: ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` loads an HF
 state dict in place (HF names), then ``reset_prefix_cache()`` drops KV blocks computed with
@@ -54,7 +56,7 @@ class VLLMEngine(BatchingEngine):
                  gpu_memory_utilization: float = 0.4) -> None:
         """Args:
             model_dir: a directory written by ``ray_xlong.models.build_tiny_model_dir``.
-            max_batch_size: most requests handed to one ``llm.generate``.
+            max_batch_size: most requests generating at once (vLLM's running batch).
             seed: engine seed (per-request seeds are drawn from it when not given).
             dtype: model dtype (``float32`` to match the HF backend's logprobs).
             max_model_len: longest context.
@@ -86,6 +88,8 @@ class VLLMEngine(BatchingEngine):
         """The last weights loaded (reapplied when a CPU engine is rebuilt at wake-up)."""
         self._weights_pending = False
         """Whether ``_latest`` arrived while asleep and is not loaded yet."""
+        self._in_flight: set[int] = set()
+        """Keys of the requests vLLM is generating."""
         self._build()
         vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
         super().__init__(vocab_size=vocab, max_batch_size=max_batch_size, seed=seed)
@@ -97,31 +101,52 @@ class VLLMEngine(BatchingEngine):
         self._threads = torch.get_num_threads()  # what vLLM's CPU worker bound (this thread)
 
     # -- hooks ------------------------------------------------------------------------------
-    def _run_batch(self, requests: Sequence[tuple[np.ndarray, SamplingConfig, int]]
-                   ) -> list[tuple[np.ndarray, np.ndarray, str, int]]:
+    joins_running_batch = True
+
+    def _step(self, new: Sequence[tuple[int, np.ndarray, SamplingConfig, int]],
+              drop: Sequence[int]) -> list[tuple[int, tuple[np.ndarray, np.ndarray, str, int]]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         # OpenMP thread counts are per OS thread; vLLM's CPU attention checks that the batch
         # runs with the count it bound at build time. A worker thread starts with the process
         # default (a caller's torch.set_num_threads(1) made every batch fail with
         # "thread_num == thread_num (2 vs. 1)"), so set it with torch's real setter.
         _set_num_threads(self._threads)
-        prompts = [TokensPrompt(prompt_token_ids=ids.tolist()) for ids, _, _ in requests]
-        params = [SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, seed=seed,
-                                 stop_token_ids=list(s.stop_token_ids), logprobs=0,
-                                 detokenize=False, ignore_eos=True)
-                  for _, s, seed in requests]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        engine = self.llm.llm_engine
+        if drop:
+            engine.abort_request([str(key) for key in drop])
+            self._in_flight.difference_update(drop)
+        for key, ids, s, seed in new:
+            engine.add_request(str(key), TokensPrompt(prompt_token_ids=ids.tolist()),
+                               SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature,
+                                              seed=seed, stop_token_ids=list(s.stop_token_ids),
+                                              logprobs=0, detokenize=False, ignore_eos=True,
+                                              output_kind=RequestOutputKind.FINAL_ONLY))
+            self._in_flight.add(key)
         results = []
-        for out in outs:
+        for out in engine.step():
+            if not out.finished:
+                continue
+            key = int(out.request_id)
+            self._in_flight.discard(key)
             comp = out.outputs[0]
             ids = np.asarray(comp.token_ids, np.int64)
             lps = np.asarray([step[int(t)].logprob for t, step in zip(ids, comp.logprobs)],
                              np.float64)
             reason = "stop" if comp.finish_reason == "stop" else "length"
-            results.append((ids, np.minimum(lps, 0.0), reason, int(out.num_cached_tokens or 0)))
+            results.append((key, (ids, np.minimum(lps, 0.0), reason,
+                                  int(out.num_cached_tokens or 0))))
+        if self._in_flight and not engine.has_unfinished_requests():
+            lost, self._in_flight = sorted(self._in_flight), set()
+            raise RuntimeError(f"vLLM finished without answering requests {lost}")
         return results
+
+    def _abort_all(self) -> None:
+        if self._in_flight and self.llm is not None:
+            self.llm.llm_engine.abort_request([str(key) for key in self._in_flight])
+        self._in_flight = set()
 
     def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]

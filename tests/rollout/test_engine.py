@@ -43,6 +43,107 @@ def test_hf_outputs_are_token_exact_and_batching_changes_nothing(model_dir):
                                    teacher_forced_logprobs(model, p, b.output_ids), atol=1e-5)
 
 
+async def join_a_running_request(engine, long_prompt, short_prompt):
+    """A long request generates; a short one arrives. Returns (long, short, whether the long
+    one was still generating when the short one was answered)."""
+    long = asyncio.ensure_future(engine.generate(long_prompt, sampling=SamplingConfig(
+        max_tokens=120, temperature=0)))
+    while engine.num_running() == 0:
+        await asyncio.sleep(0.001)
+    short = await engine.generate(short_prompt, sampling=SamplingConfig(
+        max_tokens=4, temperature=0, seed=3))
+    long_still_running = not long.done()
+    return await long, short, long_still_running
+
+
+def assert_joined_like_alone(engine_factory, long_prompt, short_prompt, *, atol):
+    """Continuous batching: the short request joins the running batch and is answered while
+    the long one still generates; both get what they get alone."""
+    async def go():
+        engine = engine_factory()
+        before = engine.stats().batches
+        joined = await join_a_running_request(engine, long_prompt, short_prompt)
+        batches = engine.stats().batches - before
+        alone = [await engine.generate(p, sampling=SamplingConfig(
+            max_tokens=n, temperature=0, seed=3)) for p, n in ((long_prompt, 120),
+                                                               (short_prompt, 4))]
+        return joined, alone, batches
+
+    (long, short, long_still_running), alone, batches = asyncio.run(go())
+    assert long_still_running and batches == 2              # two admissions, one batch
+    assert long.output_ids.size == 120 and short.output_ids.size == 4
+    for joined, single in zip((long, short), alone):
+        np.testing.assert_array_equal(joined.output_ids, single.output_ids)
+        np.testing.assert_allclose(joined.output_logprobs, single.output_logprobs, atol=atol)
+
+
+def test_hf_requests_join_the_running_batch_and_leave_when_done(model_dir):
+    assert_joined_like_alone(lambda: HFEngine(model_dir), np.arange(1, 6),
+                             np.arange(20, 40), atol=1e-5)
+
+
+def test_hf_joined_rows_keep_token_exact_logprobs(model_dir):
+    """Rows of different lengths joining at different steps: each output's logprobs are the
+    teacher-forced ones of its own prompt (padding and neighbours change nothing)."""
+    async def go():
+        engine = HFEngine(model_dir, seed=0)
+        tasks = []
+        for i, p in enumerate(prompts() * 2):
+            tasks.append(asyncio.ensure_future(engine.generate(p, sampling=SamplingConfig(
+                max_tokens=5 + 7 * i, seed=i))))
+            await asyncio.sleep(0.004 * i)                  # arrivals spread over the steps
+        return await asyncio.gather(*tasks), engine.stats()
+
+    results, stats = asyncio.run(go())
+    model = load_model(model_dir)
+    assert stats.batches > 1                               # they did arrive at several steps
+    for i, (p, r) in enumerate(zip(prompts() * 2, results)):
+        assert r.output_ids.size == 5 + 7 * i
+        np.testing.assert_allclose(r.output_logprobs,
+                                   teacher_forced_logprobs(model, p, r.output_ids), atol=1e-5)
+
+
+def test_a_cancelled_request_leaves_the_batch(model_dir):
+    async def go():
+        engine = HFEngine(model_dir)
+        gone = asyncio.ensure_future(engine.generate(np.arange(1, 6), sampling=SamplingConfig(
+            max_tokens=2000, temperature=0)))
+        while engine.num_running() == 0:
+            await asyncio.sleep(0.001)
+        gone.cancel()
+        ok = await engine.generate(np.arange(1, 6), sampling=SamplingConfig(max_tokens=3))
+        return engine, ok
+
+    engine, ok = asyncio.run(go())
+    assert ok.output_ids.size == 3
+    assert engine.num_running() == 0                       # the 2000-token row was dropped
+    assert engine.stats().requests == 1                    # and never counted as answered
+
+
+def test_a_failing_step_fails_every_live_request_and_the_engine_recovers(model_dir):
+    class Flaky(HFEngine):
+        def _step(self, new, drop):
+            if any(ids[0] == 13 for _, ids, _, _ in new):
+                raise RuntimeError("boom")
+            return super()._step(new, drop)
+
+    async def go():
+        engine = Flaky(model_dir)
+        running = asyncio.ensure_future(engine.generate(np.arange(1, 6), sampling=SamplingConfig(
+            max_tokens=500)))
+        while engine.num_running() == 0:
+            await asyncio.sleep(0.001)
+        bad = asyncio.ensure_future(engine.generate(np.array([13, 1]), sampling=SamplingConfig()))
+        for request in (running, bad):
+            with pytest.raises(EngineError, match="boom"):
+                await request
+        return engine, await engine.generate(np.arange(1, 6), sampling=SamplingConfig(
+            max_tokens=3))
+
+    engine, ok = asyncio.run(go())
+    assert ok.output_ids.size == 3 and engine.num_running() == 0
+
+
 def test_stop_token_ends_generation_and_is_kept(model_dir):
     async def go():
         engine = HFEngine(model_dir)

@@ -107,10 +107,13 @@ def test_hf_engine_runs_are_token_exact(model_dir, chat):
     seen = []
 
     class SpyHF(HFEngine):
-        def _run_batch(self, requests):
-            outs = super()._run_batch(requests)
-            seen.extend((np.array(r[0]), o[0], o[1]) for r, o in zip(requests, outs))
-            return outs
+        prompts = {}
+
+        def _step(self, new, drop):
+            self.prompts.update((key, np.array(ids)) for key, ids, _, _ in new)
+            finished = super()._step(new, drop)
+            seen.extend((self.prompts[key], o[0], o[1]) for key, o in finished)
+            return finished
 
     engine = SpyHF(model_dir, seed=1)
     harness = Harness(engine, chat, config=HarnessConfig(max_new_tokens=12, max_calls=4))

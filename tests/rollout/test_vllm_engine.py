@@ -48,6 +48,12 @@ def test_vllm_and_hf_agree_token_for_token(engine, model_dir):
     assert engine.stats().cached_tokens > 0                 # shared prefix hit the cache
 
 
+def test_vllm_requests_join_the_running_batch(engine):
+    from tests.rollout.test_engine import assert_joined_like_alone
+
+    assert_joined_like_alone(lambda: engine, prompts()[0], prompts()[1], atol=1e-4)
+
+
 def test_vllm_weight_update_between_batches(engine, model_dir):
     new = {k: v * 1.02 for k, v in load_model(model_dir).state_dict().items()}
 
