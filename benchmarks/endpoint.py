@@ -18,7 +18,20 @@ Engines:
   openai_agent.py`` and the main job train; cached under ``--workdir``) on a real
   :class:`HFEngine`: the harness runs ``LookupTask``, the endpoint runs the example's openai
   agent on the same task instances (sampled at temperature 1, so the two paths make similar,
-  not identical, calls): **a user's throughput**.
+  not identical, calls): a user's agent on a model whose calls cost ~1-3 ms of engine time
+  each, about what the openai client and HTTP cost: **overhead-bound**.
+* ``compute`` — the scripted runs again, on a :class:`ScriptedEngine` that scores every output
+  with a real model (random weights, ``--compute-model`` width x layers): each call costs a
+  forward over its whole context, tens of ms that grow with the run as a real model's prefill
+  does: **compute-bound**, where a cell with a real model is.
+
+Every path's engine process runs torch on ``--engine-threads`` threads (default 1, the same on
+both paths): the other cores are left to the agents' openai clients, as a cell's CPUs are while
+its GPU computes (with torch on every core, the clients preempt its OpenMP workers mid-matmul
+and the engine, not the endpoint, slows down). Every path's CPU is measured per batch too (this
+process, and the endpoint's process): with the agents' clients on the same cores, ``cpu bound``
+is the most the endpoint path's calls/s could reach on this machine's cores if all its CPU ran
+in parallel, as a ratio to the harness.
 
 Per-call overhead = client-observed latency of a call − the engine time the endpoint recorded
 for it (``ModelCall.end_time − start_time``), split apart per call: **endpoint** = the call's
@@ -27,14 +40,16 @@ response body read) − engine time: HTTP both ways, JSON, schema validation, me
 normalization, the prompt delta, tool-call parsing, the response; **client** = latency − time on
 the wire: the ``openai`` client's own work (building and type-transforming the request — it walks
 every message of the history each call — and parsing the response), which any server would see.
-Measured with one run at a time (the call's own cost) and under the concurrent runs (+ queueing
+Measured with one run at a time (``--runs`` runs in turn: the call's own cost) and under the concurrent runs (+ queueing
 behind the other runs' requests on the endpoint's one event loop, and behind the other agents'
 client work in this one process). Throughput = model calls (and generated tokens) per second
 of wall time; the ratio is endpoint ÷ harness. Trajectories per run come from the trajectory
 processor on each path's recorded runs. A warm-up run on each path is not counted.
 
-    python benchmarks/endpoint.py [--seed 0] [--runs 16] [--turns 10] [--engines scripted,hf]
-                                  [--workdir .cache/ray_xlong] [--json out.json]
+    python benchmarks/endpoint.py [--seed 0] [--runs 16] [--turns 10] [--repeats 3]
+                                  [--engines scripted,hf,compute] [--compute-model 256x4]
+                                  [--engine-threads 1] [--workdir .cache/ray_xlong]
+                                  [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,6 +58,7 @@ import argparse
 import asyncio
 import contextvars
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -61,6 +77,8 @@ from ray_xlong.rollout.tool_calls import function_schema  # noqa: E402
 TOOLS = [function_schema("lookup", "The value of a key.", {"key": {"type": "integer"}})]
 MAX_TOKENS = 24
 """Tokens per call on the real engine (the example agent's ``max_tokens``)."""
+CORES = len(os.sched_getaffinity(0))
+"""Cores this process may run on (the benchmark's CPU bound)."""
 
 
 # -- the scripted workload ------------------------------------------------------------------
@@ -169,13 +187,14 @@ def time_openai_calls() -> None:
 
 
 # -- the endpoint process -------------------------------------------------------------------
-def serve(kind: str, *, model_dir: str, turns: int, seed: int, batch: int) -> None:
+def serve(kind: str, *, model_dir: str, turns: int, seed: int, batch: int,
+          compute_model: str) -> None:
     """``--serve``: host an endpoint on ``kind``'s engine; print its URL; stop at stdin EOF."""
     from ray_xlong.serving.server import start_server
 
     async def main() -> None:
         endpoint = make_endpoint(kind, model_dir=model_dir, turns=turns, seed=seed,
-                                 batch=batch)
+                                 batch=batch, compute_model=compute_model)
         server = await start_server(endpoint)
         print(f"serving {server.url}", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -184,7 +203,8 @@ def serve(kind: str, *, model_dir: str, turns: int, seed: int, batch: int) -> No
     asyncio.run(main())
 
 
-def make_endpoint(kind: str, *, model_dir: str, turns: int, seed: int, batch: int):
+def make_endpoint(kind: str, *, model_dir: str, turns: int, seed: int, batch: int,
+                  compute_model: str):
     from ray_xlong.serving.app import Endpoint, EndpointConfig
     from ray_xlong.serving.server import build_endpoint
 
@@ -192,7 +212,7 @@ def make_endpoint(kind: str, *, model_dir: str, turns: int, seed: int, batch: in
         return build_endpoint(model_dir, engine="hf", seed=seed, max_batch_size=batch)
     fmt = scripted_format()
     engine = make_engine(kind, fmt=fmt, model_dir=model_dir, turns=turns, seed=seed,
-                         batch=batch)
+                         batch=batch, compute_model=compute_model)
     return Endpoint(engine, tokenizer=fmt.tokenizer, fmt=fmt,
                     config=EndpointConfig(model_name="bench", max_model_len=16384))
 
@@ -204,23 +224,45 @@ def scripted_format():
     return TemplateFormat(build_tokenizer(style="chatml", vocab_size=600))
 
 
-def make_engine(kind: str, *, fmt, model_dir: str, turns: int, seed: int, batch: int):
+def make_engine(kind: str, *, fmt, model_dir: str, turns: int, seed: int, batch: int,
+                compute_model: str):
     from ray_xlong.rollout import HFEngine, ScriptedEngine
 
     if kind == "hf":
         return HFEngine(model_dir, max_batch_size=batch, seed=seed)
+    model = scoring_model(compute_model, vocab=len(fmt.tokenizer), seed=seed) \
+        if kind == "compute" else None
     return ScriptedEngine(policy(fmt, turns), vocab_size=len(fmt.tokenizer), seed=seed,
-                          max_batch_size=batch)
+                          max_batch_size=batch, model=model)
+
+
+def scoring_model(spec: str, *, vocab: int, seed: int):
+    """The ``compute`` engine's model: ``WIDTHxLAYERS`` (head dim 64), random weights."""
+    from ray_xlong.models.tiny import TinyModelConfig, tiny_causal_lm
+
+    width, layers = (int(x) for x in spec.lower().split("x"))
+    config = TinyModelConfig(vocab_size=-(-vocab // 64) * 64, hidden_size=width,
+                             num_layers=layers, num_heads=width // 64,
+                             num_kv_heads=max(1, width // 128), intermediate_size=width * 11 // 4)
+    return tiny_causal_lm(config, seed=seed).eval()
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system, every thread) of this process or of ``pid`` (Linux ``/proc``)."""
+    if pid is None:
+        return time.process_time()
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -- the two paths --------------------------------------------------------------------------
 def harness_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str,
-                 repeats: int) -> dict:
+                 repeats: int, compute_model: str) -> dict:
     from ray_xlong.rollout import Harness, HarnessConfig, load_chat_format
     from ray_xlong.rollout.tasks.lookup import LookupTask
 
-    fmt = scripted_format() if kind == "scripted" else load_chat_format(model_dir)
-    if kind == "scripted":
+    fmt = load_chat_format(model_dir) if kind == "hf" else scripted_format()
+    if kind != "hf":
         cfg = HarnessConfig(max_new_tokens=64, max_calls=turns + 4, context_capacity=16384,
                             compaction_budget=12000, max_subagent_depth=0)
         envs = lambda n: [LookupEnv() for _ in range(n)]             # noqa: E731
@@ -231,32 +273,35 @@ def harness_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str,
 
     async def main() -> tuple[float, list]:
         engine = make_engine(kind, fmt=fmt, model_dir=model_dir, turns=turns, seed=seed,
-                             batch=runs)
+                             batch=runs, compute_model=compute_model)
         harness = Harness(engine, fmt, config=cfg)
         await harness.run_many(envs(1), run_ids=["warm"], group_ids=["w"])
-        walls, recorded = [], []
+        walls, cpus, recorded = [], [], []
         for k in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             results = await harness.run_many(envs(runs), group_ids=["g"] * runs,
                                               run_ids=[f"h{k}_{i}" for i in range(runs)])
             walls.append(time.perf_counter() - t0)
+            cpus.append({"harness": cpu_seconds() - c0})
             recorded += [r.run for r in results]
         await engine.close()
-        return walls, recorded
-    walls, recorded = asyncio.run(main())
-    return {"walls_s": walls, "runs": recorded}
+        return walls, cpus, recorded
+    walls, cpus, recorded = asyncio.run(main())
+    return {"walls_s": walls, "cpu_s": cpus, "runs": recorded}
 
 
 def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str,
-                  repeats: int) -> dict:
+                  repeats: int, compute_model: str) -> dict:
     """``runs`` concurrent openai agents against an endpoint in a child process."""
     import httpx
+    import torch
 
     from ray_xlong.trajectory.recording import read_runs
 
     proc = subprocess.Popen(
         [sys.executable, __file__, "--serve", kind, "--model-dir", model_dir, "--turns",
-         str(turns), "--seed", str(seed), "--runs", str(runs)],
+         str(turns), "--seed", str(seed), "--runs", str(runs), "--compute-model",
+         compute_model, "--engine-threads", str(torch.get_num_threads())],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().split()
@@ -273,12 +318,12 @@ def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str
             _WIRE.set(latencies[1])
             base = (await http.post(f"{url}/runs", json={"group_id": "g", "run_id": run_id})
                     ).json()["base_url"]
-            if kind == "scripted":
+            if kind != "hf":
                 await scripted_agent(base, {})
             else:
                 await openai_agent.agent(base, openai_agent.make_task(seed + i))
 
-        def batch(ids: list[str]) -> tuple[float, list[tuple[list, list]]]:
+        def batch(ids: list[str]) -> tuple[float, list[tuple[list, list]], dict]:
             lats: list[tuple[list, list]] = [([], []) for _ in ids]
 
             async def all_agents() -> None:
@@ -287,9 +332,10 @@ def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str
                 async with httpx.AsyncClient(verify=openai_agent.tls_context()) as http:
                     await asyncio.gather(*(one(http, r, lat, i)
                                            for i, (r, lat) in enumerate(zip(ids, lats))))
-            t0 = time.perf_counter()
+            t0, c0, s0 = time.perf_counter(), cpu_seconds(), cpu_seconds(proc.pid)
             asyncio.run(all_agents())
-            return time.perf_counter() - t0, lats
+            return time.perf_counter() - t0, lats, {"clients": cpu_seconds() - c0,
+                                                    "endpoint": cpu_seconds(proc.pid) - s0}
 
         def ended(ids: list[str]) -> list:
             tmp, out = pathlib.Path(f"/tmp/xlong_endpoint_bench_{seed}_{proc.pid}.jsonl"), []
@@ -301,21 +347,23 @@ def endpoint_path(kind: str, *, runs: int, turns: int, seed: int, model_dir: str
 
         batch(["warm"])
         ended(["warm"])
-        alone_ids = [f"a{i}" for i in range(min(runs, 4))]
+        alone_ids = [f"a{i}" for i in range(runs)]
         alone_lats = [batch([r])[1][0] for r in alone_ids]        # one run at a time
         alone = ended(alone_ids)
-        walls, lats, recorded = [], [], []
+        walls, cpus, lats, recorded = [], [], [], []
         for k in range(repeats):
             ids = [f"e{k}_{i}" for i in range(runs)]
-            wall, lat = batch(ids)
+            wall, lat, cpu = batch(ids)
             walls.append(wall)
+            cpus.append(cpu)
             lats += lat
             recorded += ended(ids)
     finally:
         if proc.stdin:
             proc.stdin.close()
         proc.wait(timeout=60)
-    return {"walls_s": walls, "runs": recorded, "overhead": _overhead(recorded, lats),
+    return {"walls_s": walls, "cpu_s": cpus, "runs": recorded,
+            "overhead": _overhead(recorded, lats),
             "overhead_alone": _overhead(alone, alone_lats)}
 
 
@@ -346,15 +394,17 @@ def summarize(path: dict) -> dict:
     tokens = sum(int(c.output_ids.size) for r in runs for c in r.calls)
     wall = float(np.median(walls))
     batch = TrajectoryProcessor(ProcessorConfig(pack="none")).process(runs)
+    cpu = {part: float(np.mean([c[part] for c in path["cpu_s"]])) for part in path["cpu_s"][0]}
     return {"calls": calls, "output_tokens": tokens, "wall_s": wall, "walls_s": walls,
             "calls_per_s": calls / len(walls) / wall, "tokens_per_s": tokens / len(walls) / wall,
             "trajectories_per_run": len(batch.trajectories) / len(runs),
-            "failed": sum(r.status == "failed" for r in runs)}
+            "failed": sum(r.status == "failed" for r in runs),
+            "cpu_s_per_batch": cpu, "cpu_ms_per_call": sum(cpu.values()) * len(walls) / calls * 1e3}
 
 
 def measure(kind: str, args, model_dir: str) -> dict:
     common = dict(runs=args.runs, turns=args.turns, seed=args.seed, model_dir=model_dir,
-                  repeats=args.repeats)
+                  repeats=args.repeats, compute_model=args.compute_model)
     h = harness_path(kind, **common)
     e = endpoint_path(kind, **common)
     hs, es = summarize(h), summarize(e)
@@ -371,6 +421,9 @@ def measure(kind: str, args, model_dir: str) -> dict:
             "client_ms_p99": ms("client", "overhead_alone", 99),
             "endpoint_overhead_concurrent_ms_p50": ms("endpoint", "overhead", 50),
             "throughput_ratio": es["calls_per_s"] / hs["calls_per_s"],
+            # the endpoint path's calls/s if its CPU (clients + endpoint) ran on every core at
+            # once, ÷ the harness's measured calls/s: the most this machine allows
+            "cpu_bound_ratio": CORES / es["cpu_ms_per_call"] * 1e3 / hs["calls_per_s"],
             "token_throughput_ratio": es["tokens_per_s"] / hs["tokens_per_s"]}
 
 
@@ -387,27 +440,31 @@ def model_dir_for(args) -> str:
 
 def print_table(args, results: dict) -> None:
     print(f"{args.runs} concurrent runs, seed {args.seed}; endpoint in its own process, openai "
-          f"clients in this one; scripted: {args.turns} tool turns a run\n")
+          f"clients in this one; scripted and compute: {args.turns} tool turns a run; compute "
+          f"model {args.compute_model}\n")
     print("| engine | path | calls | tokens | median wall s | calls/s | tokens/s "
-          "| trajectories/run | failed |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| trajectories/run | failed | CPU s a batch | CPU ms a call |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for kind, res in results.items():
         for name, row in (("harness (in-process)", res["harness"]),
                           ("endpoint (openai client, HTTP)", res["endpoint"])):
+            cpu = " + ".join(f"{v:.2f} {k}" for k, v in row["cpu_s_per_batch"].items())
             print(f"| {kind} | {name} | {row['calls']} | {row['output_tokens']} | "
                   f"{row['wall_s']:.2f} | {row['calls_per_s']:.1f} | {row['tokens_per_s']:.0f} "
-                  f"| {row['trajectories_per_run']:.2f} | {row['failed']} |")
+                  f"| {row['trajectories_per_run']:.2f} | {row['failed']} | {cpu} | "
+                  f"{row['cpu_ms_per_call']:.1f} |")
     print("\n| engine | overhead p50 ms (one run) | p99 | of it endpoint p50 | p99 | of it "
           "openai client p50 | p99 | p50 (concurrent) | p99 | endpoint p50 (concurrent) | "
-          "calls/s ratio | tokens/s ratio |")
-    print("|---|" + "---:|" * 11)
+          f"calls/s ratio | tokens/s ratio | cpu bound ({CORES} cores) |")
+    print("|---|" + "---:|" * 12)
     for kind, r in results.items():
         print(f"| {kind} | {r['overhead_ms_p50']:.2f} | {r['overhead_ms_p99']:.2f} | "
               f"{r['endpoint_overhead_ms_p50']:.2f} | {r['endpoint_overhead_ms_p99']:.2f} | "
               f"{r['client_ms_p50']:.2f} | {r['client_ms_p99']:.2f} | "
               f"{r['overhead_concurrent_ms_p50']:.2f} | {r['overhead_concurrent_ms_p99']:.2f} | "
               f"{r['endpoint_overhead_concurrent_ms_p50']:.2f} | "
-              f"{r['throughput_ratio']:.2f} | {r['token_throughput_ratio']:.2f} |")
+              f"{r['throughput_ratio']:.2f} | {r['token_throughput_ratio']:.2f} | "
+              f"{r['cpu_bound_ratio']:.2f} |")
 
 
 def main(argv=None) -> int:
@@ -417,7 +474,14 @@ def main(argv=None) -> int:
     parser.add_argument("--turns", type=int, default=10, help="tool turns per scripted run")
     parser.add_argument("--repeats", type=int, default=3,
                         help="concurrent batches per path (throughput: the median batch)")
-    parser.add_argument("--engines", default="scripted,hf", help="scripted, hf or both")
+    parser.add_argument("--engines", default="scripted,hf,compute",
+                        help="any of scripted, hf, compute (comma-separated)")
+    parser.add_argument("--compute-model", default="256x4",
+                        help="the compute engine's scoring model, WIDTHxLAYERS")
+    parser.add_argument("--engine-threads", type=int, default=1,
+                        help="torch threads of each path's engine process (the same on both "
+                             "paths; the other cores are the agents' clients', as a cell's "
+                             "CPUs are while its GPU computes)")
     parser.add_argument("--workdir", default=".cache/ray_xlong", help="warm-start cache (hf)")
     parser.add_argument("--quick-warm", action="store_true",
                         help="a 7-step warm start (smoke tests: plumbing, not a policy)")
@@ -425,13 +489,16 @@ def main(argv=None) -> int:
     parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.engine_threads)
     if args.serve:
         serve(args.serve, model_dir=args.model_dir, turns=args.turns, seed=args.seed,
-              batch=args.runs)
+              batch=args.runs, compute_model=args.compute_model)
         return 0
     kinds = [k for k in args.engines.split(",") if k]
-    if not kinds or set(kinds) - {"scripted", "hf"}:
-        parser.error(f"--engines: scripted and/or hf, got {args.engines!r}")
+    if not kinds or set(kinds) - {"scripted", "hf", "compute"}:
+        parser.error(f"--engines: any of scripted, hf, compute, got {args.engines!r}")
     model_dir = model_dir_for(args) if "hf" in kinds else ""
     results = {kind: measure(kind, args, model_dir) for kind in kinds}
     print_table(args, results)

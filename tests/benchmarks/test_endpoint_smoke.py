@@ -1,4 +1,4 @@
-"""Smoke run of benchmarks/endpoint.py: tiny budget, both engines, the tables and the JSON shape."""
+"""Smoke run of benchmarks/endpoint.py: tiny budget, every engine, the tables and the JSON shape."""
 
 from __future__ import annotations
 
@@ -18,17 +18,22 @@ def test_endpoint_benchmark_smoke(tmp_path):
     out = tmp_path / "endpoint.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--runs", "2", "--turns", "2",
                            "--repeats", "2",
-                           "--engines", "scripted,hf", "--quick-warm", "--workdir",
+                           "--engines", "scripted,hf,compute", "--compute-model", "128x2",
+                           "--quick-warm", "--workdir",
                            str(tmp_path / "cache"), "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| engine | path | calls | tokens | median wall s | calls/s | tokens/s |" in proc.stdout
     assert "| engine | overhead p50 ms (one run) |" in proc.stdout
     data = json.loads(out.read_text())
-    scripted, hf = data["scripted"], data["hf"]
+    scripted, hf, compute = data["scripted"], data["hf"], data["compute"]
     # 2 repeats × 2 runs × 3 calls (2 tool turns and the answer)
-    assert scripted["harness"]["calls"] == scripted["endpoint"]["calls"] == 12
-    assert scripted["endpoint"]["trajectories_per_run"] == 1.0
+    for res in (scripted, compute):
+        assert res["harness"]["calls"] == res["endpoint"]["calls"] == 12
+        assert res["endpoint"]["trajectories_per_run"] == 1.0
     assert hf["endpoint"]["calls"] >= 2 and hf["harness"]["calls"] >= 2
-    for res in (scripted, hf):
+    for res in (scripted, hf, compute):
         assert res["overhead_ms_p99"] >= res["overhead_ms_p50"] and res["throughput_ratio"] > 0
+        assert set(res["endpoint"]["cpu_s_per_batch"]) == {"clients", "endpoint"}
+        assert set(res["harness"]["cpu_s_per_batch"]) == {"harness"}
+        assert res["endpoint"]["cpu_s_per_batch"]["endpoint"] > 0 and res["cpu_bound_ratio"] > 0
