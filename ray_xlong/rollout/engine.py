@@ -34,7 +34,9 @@ Backends implement ``_load_weights``, ``_release`` and ``_restore``, and either 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import logging
 import time
 from typing import Mapping, Protocol, Sequence
 
@@ -42,6 +44,8 @@ import numpy as np
 import torch
 
 from ray_xlong.checks import check_int
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
@@ -183,6 +187,9 @@ class BatchingEngine:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._worker: asyncio.Task | None = None
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        """The one thread every backend hook runs on (per-thread backend state — OpenMP
+        thread counts, a CUDA stream — stays the same from step to step)."""
         self._counts = dict(requests=0, batches=0, prompt_tokens=0, output_tokens=0,
                             cached_tokens=0, busy_s=0.0, weight_updates=0)
 
@@ -198,7 +205,9 @@ class BatchingEngine:
         """One step (runs in a thread): start the ``new`` requests ``(key, ids, sampling,
         seed)``, forget the ``drop`` keys (their callers left), advance every live request;
         returns the requests that finished, ``(key, (output_ids, output_logprobs,
-        finish_reason, num_cached_tokens))``. Default: ``new`` as one whole batch
+        finish_reason, num_cached_tokens))``, or ``(key, exception)`` for a request that failed
+        alone (a ValueError reaches its caller as is: a bad request, not worth a retry).
+        Raising fails every live request. Default: ``new`` as one whole batch
         (:meth:`_run_batch`)."""
         outputs = self._run_batch([(ids, sampling, seed) for _, ids, sampling, seed in new])
         return [(key, out) for (key, *_), out in zip(new, outputs)]
@@ -250,6 +259,8 @@ class BatchingEngine:
                              version: int) -> None:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
+        if self._closed:
+            raise EngineError("engine is closed")
         done = asyncio.get_running_loop().create_future()
         if self._weights is not None:
             self._weights[2].cancel()
@@ -258,6 +269,8 @@ class BatchingEngine:
         await done
 
     async def sleep(self) -> None:
+        if self._closed:
+            raise EngineError("engine is closed")
         self._sleep_wanted = True
         self._kick()
         while not self._asleep:
@@ -268,7 +281,7 @@ class BatchingEngine:
     async def wake_up(self) -> None:
         self._sleep_wanted = False
         if self._asleep:
-            await asyncio.to_thread(self._restore)
+            await self._in_thread(self._restore)
             self._asleep = False
         self._kick()
 
@@ -287,6 +300,7 @@ class BatchingEngine:
         self._live.clear()
         if self._worker is not None:
             self._worker.cancel()
+        self._thread.shutdown(wait=False)
 
     # -- the loop ---------------------------------------------------------------------------
     def _kick(self) -> None:
@@ -296,16 +310,21 @@ class BatchingEngine:
             self._worker = asyncio.get_running_loop().create_task(self._loop())
         self._wake.set()
 
+    def _in_thread(self, fn, *args) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
     async def _loop(self) -> None:
         while not self._closed:
+            self._wake.clear()               # a kick from here on (even mid-await) is seen
             if not self._live:
                 await self._between_batches()
             admitted = self._admit()
             if self._live or admitted:
                 await self._serve(admitted)
                 continue
+            if self._wake.is_set():          # kicked while between batches: look again
+                continue
             self._idle.set()
-            self._wake.clear()
             await self._wake.wait()
 
     def _admit(self) -> list[_Request]:
@@ -328,7 +347,7 @@ class BatchingEngine:
             self._weights = None
             try:
                 if not self._asleep:
-                    await asyncio.to_thread(self._load_weights, state_dict)
+                    await self._in_thread(self._load_weights, state_dict)
                 else:
                     self._stash_weights(state_dict)
                 self._version = version
@@ -339,7 +358,7 @@ class BatchingEngine:
                 if not done.done():
                     done.set_exception(exc)
         if self._sleep_wanted and not self._asleep:
-            await asyncio.to_thread(self._release)
+            await self._in_thread(self._release)
             self._asleep = True
 
     def _stash_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -363,23 +382,29 @@ class BatchingEngine:
         c["batches"] += bool(new)
         start = time.perf_counter()
         try:
-            finished = await asyncio.to_thread(self._step, new, drop)
+            finished = await self._in_thread(self._step, new, drop)
         except Exception as exc:  # noqa: BLE001 - every live request learns of it
             live, self._live = list(self._live.values()), {}
-            reason = f"engine batch failed: {exc!r}"
-            try:
-                await asyncio.to_thread(self._abort_all)
-            except Exception as abort_exc:  # noqa: BLE001 - reported with the step's failure
-                reason += f" (and resetting the backend failed: {abort_exc!r})"
-            for r in live:
+            for r in live:                   # first: a close() during the reset loses none
                 if not r.future.done():
-                    r.future.set_exception(EngineError(reason))
+                    r.future.set_exception(EngineError(f"engine batch failed: {exc!r}"))
+            try:
+                await self._in_thread(self._abort_all)
+            except Exception as abort_exc:  # noqa: BLE001 - the backend is reset on next use
+                log.warning("engine: resetting the backend after a failed step failed: %r",
+                            abort_exc)
             return
         c["busy_s"] += time.perf_counter() - start
-        for key, (out, lps, reason, cached) in finished:
+        for key, result in finished:
             r = self._live.pop(key, None)
             if r is None:                  # dropped: its caller left while it generated
                 continue
+            if isinstance(result, Exception):      # this request alone failed
+                if not r.future.done():
+                    r.future.set_exception(result if isinstance(result, ValueError)
+                                           else EngineError(f"request failed: {result!r}"))
+                continue
+            out, lps, reason, cached = result
             c["requests"] += 1
             c["prompt_tokens"] += int(r.input_ids.size)
             c["output_tokens"] += int(out.size)

@@ -92,7 +92,7 @@ class HFEngine(BatchingEngine):
         if batch is not None:
             batch.decode(self.model)
         if new:
-            joined = _Batch.prefill(self.model, new)
+            joined = _Batch.prefill(self.model, new, trim=self.joins_running_batch)
             batch = joined if batch is None else batch.join(joined)
         finished = [row for row in batch.rows if row.reason is not None] if batch else []
         if finished:
@@ -135,9 +135,12 @@ class _Batch:
     mask: torch.Tensor
     positions: torch.Tensor
     last: torch.Tensor
+    trim: bool
+    """Whether columns no row attends to may be cut (full-attention caches only: a sliding
+    window layer keeps its own length bookkeeping)."""
 
     @classmethod
-    def prefill(cls, model, new) -> "_Batch":
+    def prefill(cls, model, new, *, trim: bool) -> "_Batch":
         """Run the new requests' prompts; each row samples its first id."""
         from transformers import DynamicCache
 
@@ -147,7 +150,7 @@ class _Batch:
                        past_key_values=cache, use_cache=True).logits[:, -1, :]
         rows = [_Row(key, sampling, torch.Generator().manual_seed(seed))
                 for key, _, sampling, seed in new]
-        return cls(rows, cache, mask, positions[:, -1:] + 1, _sample(logits, rows))
+        return cls(rows, cache, mask, positions[:, -1:] + 1, _sample(logits, rows), trim)
 
     def decode(self, model) -> None:
         """Every row one id further."""
@@ -168,7 +171,7 @@ class _Batch:
         return _Batch(self.rows + other.rows, self.cache,
                       torch.cat([pad(self.mask, 1), pad(other.mask, 1)]),
                       torch.cat([self.positions, other.positions]),
-                      torch.cat([self.last, other.last]))
+                      torch.cat([self.last, other.last]), self.trim)
 
     def keep(self, which: list[bool]) -> "_Batch | None":
         """Only the rows where ``which`` is true (None when none is), cut to the columns they
@@ -181,12 +184,12 @@ class _Batch:
         self.cache.batch_select_indices(index)
         mask = self.mask[index]
         lead = int(mask.any(dim=0).to(torch.int8).argmax())     # first column any row uses
-        if lead:
+        if lead and self.trim:
             mask = mask[:, lead:]
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
         return _Batch([self.rows[i] for i in index.tolist()], self.cache, mask,
-                      self.positions[index], self.last[index])
+                      self.positions[index], self.last[index], self.trim)
 
 
 def _full_attention_cache(model) -> bool:

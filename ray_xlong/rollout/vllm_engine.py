@@ -106,6 +106,7 @@ class VLLMEngine(BatchingEngine):
     def _step(self, new: Sequence[tuple[int, np.ndarray, SamplingConfig, int]],
               drop: Sequence[int]) -> list[tuple[int, tuple[np.ndarray, np.ndarray, str, int]]]:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -118,14 +119,21 @@ class VLLMEngine(BatchingEngine):
         if drop:
             engine.abort_request([str(key) for key in drop])
             self._in_flight.difference_update(drop)
+        results: list = []
         for key, ids, s, seed in new:
-            engine.add_request(str(key), TokensPrompt(prompt_token_ids=ids.tolist()),
-                               SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature,
-                                              seed=seed, stop_token_ids=list(s.stop_token_ids),
-                                              logprobs=0, detokenize=False, ignore_eos=True,
-                                              output_kind=RequestOutputKind.FINAL_ONLY))
+            try:
+                engine.add_request(str(key), TokensPrompt(prompt_token_ids=ids.tolist()),
+                                   SamplingParams(max_tokens=s.max_tokens,
+                                                  temperature=s.temperature, seed=seed,
+                                                  stop_token_ids=list(s.stop_token_ids),
+                                                  logprobs=0, detokenize=False, ignore_eos=True,
+                                                  output_kind=RequestOutputKind.FINAL_ONLY))
+            except Exception as exc:  # noqa: BLE001 - vLLM refused this request (too long, ...)
+                if isinstance(exc, (ValueError, VLLMValidationError)):   # the request's fault
+                    exc = ValueError(f"vLLM refused the request: {exc}")
+                results.append((key, exc))          # it alone fails; the batch goes on
+                continue
             self._in_flight.add(key)
-        results = []
         for out in engine.step():
             if not out.finished:
                 continue

@@ -144,6 +144,46 @@ def test_a_failing_step_fails_every_live_request_and_the_engine_recovers(model_d
     assert ok.output_ids.size == 3 and engine.num_running() == 0
 
 
+@pytest.mark.parametrize("arch", ["mistral-sliding", "gemma3-sliding"])
+def test_sliding_window_models_run_whole_batches_token_exact(arch):
+    """A sliding-window cache cannot be left-padded and joined: whole batches, rows of
+    different lengths leaving at different steps, logprobs still the teacher-forced ones."""
+    from ray_xlong.models.architectures import build_arch
+
+    model = build_arch(arch, seed=0)
+    engine = HFEngine("unused", model=model)
+    batch = [(np.arange(3, 20) % 90 + 3, 2), (np.arange(5, 9), 20), (np.arange(10, 13), 25)]
+
+    async def go():
+        return await asyncio.gather(*(engine.generate(p, sampling=SamplingConfig(
+            max_tokens=n, seed=i)) for i, (p, n) in enumerate(batch)))
+
+    assert not engine.joins_running_batch
+    for (p, n), r in zip(batch, asyncio.run(go())):
+        assert r.output_ids.size == n
+        np.testing.assert_allclose(r.output_logprobs,
+                                   teacher_forced_logprobs(model, p, r.output_ids), atol=1e-5)
+
+
+def test_back_to_back_weight_updates_and_waiting_requests_all_complete(model_dir):
+    """A second update (and requests) arriving while the first loads are not left waiting."""
+    new = load_model(model_dir).state_dict()
+
+    async def go():
+        engine = HFEngine(model_dir)
+        first = asyncio.ensure_future(engine.update_weights(new, version=1))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(engine.update_weights(new, version=2))
+        request = asyncio.ensure_future(engine.generate(np.arange(1, 6), sampling=SamplingConfig(
+            max_tokens=3)))
+        done, pending = await asyncio.wait([first, second, request], timeout=60)
+        return engine, len(done), len(pending), request
+
+    engine, done, pending, request = asyncio.run(go())
+    assert (done, pending) == (3, 0) and engine.policy_version == 2
+    assert request.result().policy_version == 2
+
+
 def test_stop_token_ends_generation_and_is_kept(model_dir):
     async def go():
         engine = HFEngine(model_dir)

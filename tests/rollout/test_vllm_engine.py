@@ -54,6 +54,21 @@ def test_vllm_requests_join_the_running_batch(engine):
     assert_joined_like_alone(lambda: engine, prompts()[0], prompts()[1], atol=1e-4)
 
 
+def test_vllm_a_refused_request_fails_alone(engine):
+    """A prompt vLLM refuses (longer than its context) fails its own caller with ValueError;
+    the request beside it is served."""
+    async def go():
+        ok = asyncio.ensure_future(engine.generate(prompts()[0], sampling=SamplingConfig(
+            max_tokens=8, temperature=0)))
+        bad = asyncio.ensure_future(engine.generate(np.arange(2000) % 400 + 12,
+                                                    sampling=SamplingConfig(max_tokens=8)))
+        return await asyncio.gather(ok, bad, return_exceptions=True)
+
+    ok, bad = asyncio.run(go())
+    assert ok.output_ids.size == 8
+    assert isinstance(bad, ValueError), bad
+
+
 def test_vllm_weight_update_between_batches(engine, model_dir):
     new = {k: v * 1.02 for k, v in load_model(model_dir).state_dict().items()}
 
