@@ -62,9 +62,10 @@ class HFEngine(BatchingEngine):
 
     # -- hooks ------------------------------------------------------------------------------
     def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=False)
-        if unexpected:
+        unexpected = set(state_dict) - set(self.model.state_dict())
+        if unexpected:        # checked first: a refused update leaves the weights untouched
             raise ValueError(f"update_weights: unknown parameter names {sorted(unexpected)[:5]}")
+        self.model.load_state_dict(dict(state_dict), strict=False)
         self.model.eval()
 
     def _stash_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

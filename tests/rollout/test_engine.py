@@ -184,6 +184,30 @@ def test_back_to_back_weight_updates_and_waiting_requests_all_complete(model_dir
     assert request.result().policy_version == 2
 
 
+def test_an_update_with_unknown_names_changes_nothing(model_dir):
+    """Refused weights leave the model and its version as they were (one known name scaled,
+    one unknown name: nothing loads)."""
+    good = load_model(model_dir).state_dict()
+    name = next(iter(good))
+    bad = {name: good[name] * 3.0, "no.such.weight": torch.zeros(1)}
+
+    async def go():
+        engine = HFEngine(model_dir)
+        before = await engine.generate(np.arange(1, 6), sampling=SamplingConfig(
+            max_tokens=6, temperature=0))
+        with pytest.raises(ValueError, match="unknown parameter names"):
+            await engine.update_weights(bad, version=1)
+        after = await engine.generate(np.arange(1, 6), sampling=SamplingConfig(
+            max_tokens=6, temperature=0))
+        return engine, before, after
+
+    engine, before, after = asyncio.run(go())
+    assert engine.policy_version == 0 and after.policy_version == 0
+    torch.testing.assert_close(engine.model.state_dict()[name], good[name])
+    np.testing.assert_array_equal(before.output_ids, after.output_ids)
+    np.testing.assert_allclose(before.output_logprobs, after.output_logprobs, atol=1e-6)
+
+
 def test_stop_token_ends_generation_and_is_kept(model_dir):
     async def go():
         engine = HFEngine(model_dir)
