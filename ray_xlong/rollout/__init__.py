@@ -1,6 +1,7 @@
 """Rollout: inference engines (HF, vLLM, scripted), the agent harness and tasks.
 
-* ``engine.py`` — the :class:`Engine` interface and the shared batching loop;
+* ``engine.py`` — the :class:`Engine` interface; ``batching.py`` — the loop the backends
+  share (continuous batching, weights and sleep between batches);
   ``hf_engine.py`` / ``vllm_engine.py`` / ``scripted.py`` — the backends.
 * ``chat.py`` — the chat-format interface; ``token_format.py`` (the tiny demo model's own
   tokens) and ``template_format.py`` (any HF chat template); ``tool_calls.py`` — tool-call
@@ -16,8 +17,8 @@ May import: ``models`` and ``trajectory`` (never ``cells``, ``rllib`` or ``tools
 from ray_xlong.rollout.chat import (Answer, ChatFormat, ChatFormatError, Malformed, ToolCall,
                                     ToolCalls, load_chat_format)
 from ray_xlong.rollout.context import Context, ContextFull
-from ray_xlong.rollout.engine import (BatchingEngine, Engine, EngineError, EngineStats,
-                                      GenerateResult, SamplingConfig)
+from ray_xlong.rollout.batching import BatchingEngine
+from ray_xlong.rollout.engine import Engine, EngineError, EngineStats, GenerateResult, SamplingConfig
 from ray_xlong.rollout.harness import Harness
 from ray_xlong.rollout.run_records import HarnessConfig, RunInfo, RunResult
 from ray_xlong.rollout.hf_engine import HFEngine

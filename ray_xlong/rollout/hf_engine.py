@@ -33,7 +33,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ray_xlong.rollout.engine import BatchingEngine, SamplingConfig
+from ray_xlong.rollout.batching import BatchingEngine, StepResult
+from ray_xlong.rollout.engine import SamplingConfig
 
 
 class HFEngine(BatchingEngine):
@@ -85,7 +86,7 @@ class HFEngine(BatchingEngine):
 
     @torch.no_grad()
     def _step(self, new: Sequence[tuple[int, np.ndarray, SamplingConfig, int]],
-              drop: Sequence[int]) -> list[tuple[int, tuple[np.ndarray, np.ndarray, str, int]]]:
+              drop: Sequence[int]) -> list[tuple[int, StepResult]]:
         batch = self._batch
         if batch is not None and drop:
             gone = set(drop)

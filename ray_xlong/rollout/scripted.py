@@ -22,7 +22,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ray_xlong.rollout.engine import BatchingEngine, SamplingConfig
+from ray_xlong.rollout.batching import BatchingEngine
+from ray_xlong.rollout.engine import SamplingConfig
 
 ScriptedPolicy = Callable[[np.ndarray], np.ndarray]
 """``policy(input_ids [n]) -> output_ids [m]``."""

@@ -30,7 +30,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from ray_xlong.rollout.engine import BatchingEngine, SamplingConfig
+from ray_xlong.rollout.batching import BatchingEngine, StepResult
+from ray_xlong.rollout.engine import SamplingConfig
 
 
 def vllm_available() -> bool:
@@ -104,7 +105,7 @@ class VLLMEngine(BatchingEngine):
     joins_running_batch = True
 
     def _step(self, new: Sequence[tuple[int, np.ndarray, SamplingConfig, int]],
-              drop: Sequence[int]) -> list[tuple[int, tuple[np.ndarray, np.ndarray, str, int]]]:
+              drop: Sequence[int]) -> list[tuple[int, StepResult]]:
         from vllm import SamplingParams
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
