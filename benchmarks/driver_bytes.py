@@ -18,16 +18,20 @@ copy of each step's state), ``other`` (role calls, run specs).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
+import pathlib
 import statistics
+import sys
 import tempfile
 
 import cloudpickle
 import ray
 from ray.actor import ActorMethod
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 
 
 def _size(value) -> int:
@@ -159,21 +163,14 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--smoke", action="store_true", help="tiny budget (CI)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--runs-per-group", type=int, default=4)
     parser.add_argument("--groups", type=int, default=2)
     args = parser.parse_args(argv)
     steps = 1 if args.smoke else args.steps
     result = run(args.seed, steps, args.runs_per_group, args.groups)
-    print_table(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return finish(result, show=print_table, json_path=args.json)
 
 
 if __name__ == "__main__":

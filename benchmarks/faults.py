@@ -8,9 +8,9 @@ One job per fault kind, on a fresh pool of cells (one worker node per cell, a he
 GPUs for the driver). ``runner`` / ``learner`` kill actors (``ray.kill``) when a seeded fraction
 of the job's runs has ended; ``node`` removes a cell's node (``Cluster.remove_node``) and adds a
 node like it back after a few seconds; ``driver`` runs the job in a driver process
-(``python -m ray_xlong.tools.faults``), kills it (SIGKILL) after its first checkpoint plus a
+(``python -m benchmarks.tools.faults``), kills it (SIGKILL) after its first checkpoint plus a
 seeded delay, and resumes it in a new driver process. Each job is audited from its event log
-and trained-run ids (``ray_xlong.tools.faults.audit``): runs lost (goal 0), runs trained twice
+and trained-run ids (``benchmarks.tools.faults.audit``): runs lost (goal 0), runs trained twice
 (goal 0), runs re-run, versions consistent, cell invariants. ``--ranks-per-cell 2``: every
 cell's Learner is 2 FSDP2 ranks (gloo) on its node, and a ``learner`` fault kills one rank in
 the middle of a sharded step (the cell's share is redone elsewhere).
@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import pickle
 import random
 import signal
@@ -37,6 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks.tools
 
 KINDS = ("runner", "learner", "node", "driver")
 HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
@@ -110,8 +114,8 @@ def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, se
     """One job with ``per_kind`` faults of ``kind`` injected by this (the driver) process."""
     from ray_xlong.cells.actuator import RayActuator
     from ray_xlong.cells.config import make_policy
-    from ray_xlong.tools.driver import start_cells
-    from ray_xlong.tools.faults import FaultInjector, FaultPlan, audit
+    from ray_xlong.jobs.driver import start_cells
+    from benchmarks.tools.faults import FaultInjector, FaultPlan, audit
 
     pool = start_cells(config)
     act = RayActuator(config, make_policy(config), pool)
@@ -149,7 +153,7 @@ def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, se
 def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -> dict:
     """Run the job in a driver process, SIGKILL it after its first checkpoint, resume it."""
     from ray_xlong.cells.checkpoint import CHECKPOINT
-    from ray_xlong.tools.faults import audit
+    from benchmarks.tools.faults import audit
 
     os.makedirs(root, exist_ok=True)
     config = dataclasses.replace(config, checkpoint_dir=os.path.join(root, "ckpt"),
@@ -157,10 +161,10 @@ def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -
     cfg_path, out = os.path.join(root, "config.pkl"), os.path.join(root, "result.pkl")
     with open(cfg_path, "wb") as f:
         pickle.dump(config, f)
-    cmd = [sys.executable, "-m", "ray_xlong.tools.faults", "--config", cfg_path,
+    cmd = [sys.executable, "-m", "benchmarks.tools.faults", "--config", cfg_path,
            "--address", cluster.address, "--out", out]
     t = time.perf_counter()
-    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = os.path.join(config.checkpoint_dir, CHECKPOINT)
     while not os.path.exists(ckpt):
         if first.poll() is not None:
@@ -173,7 +177,7 @@ def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -
         first.wait()
         injected = 1
     killed_at = time.time()
-    subprocess.run(cmd + ["--resume"], check=True, stdout=subprocess.DEVNULL,
+    subprocess.run(cmd + ["--resume"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, timeout=900)
     job_s = time.perf_counter() - t
     with open(out, "rb") as f:

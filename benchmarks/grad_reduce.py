@@ -18,15 +18,19 @@ the ratios, not the seconds).
 
 from __future__ import annotations
 
-import argparse
-import json
+import pathlib
 import statistics
+import sys
 import time
 
 import ray
 import torch
 
 from ray_xlong.cells.reduce import reduce_gradients, traffic_per_member
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 
 
 class Member:
@@ -118,10 +122,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--smoke", action="store_true", help="tiny budget (CI)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--members", type=int, default=4)
     parser.add_argument("--mb", type=float, default=64.0, help="gradient size (MB)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -136,11 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if started:
             ray.shutdown()
-    print_table(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return finish(result, show=print_table, json_path=args.json)
 
 
 if __name__ == "__main__":

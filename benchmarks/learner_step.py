@@ -26,10 +26,10 @@ and the median is reported. The first step's gradients of the tree and per-traje
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
+import pathlib
 import statistics
+import sys
 import tempfile
 import time
 
@@ -43,6 +43,10 @@ from ray_xlong.rllib.learner import XLongLearner, learner_config
 from ray_xlong.trajectory import ProcessorConfig
 from ray_xlong.trajectory.per_run import process_run
 from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_runs
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 
 VARIANTS = {"per_trajectory": ("per_trajectory", None), "tree": ("tree", None),
             "tree_dense": ("tree", "sdpa")}
@@ -148,10 +152,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--smoke", action="store_true", help="tiny budget (CI)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dense", action="store_true",
                         help="also time tree batches with dense sdpa masks")
@@ -161,11 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(args.seed)
     result = bench(args.seed, smoke=args.smoke, repeats=1 if args.smoke else args.repeats,
                    dense=args.dense, micro_batch_tokens=args.micro_batch_tokens)
-    print_table(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return finish(result, show=print_table, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from ray_xlong.scheduling.modes import PAPER_MODES as MODES  # the one mode regi
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ray_xlong.tools.train import run_training
+    from ray_xlong.jobs.train import run_training
     from ray_xlong.rollout.lookup_recipe import WarmStartConfig
 
     warm = (WarmStartConfig(clean_steps=5, noisy_steps=2, min_accuracy=0.0)  # plumbing only

@@ -16,7 +16,7 @@ is one wall second) on the same cells. A calibration job first measures the cost
 (per-call overhead, training tokens/s, switch, sync, step finish); the simulator then runs every
 mode on the predicted workload of the same job, its step finish blocking the actuator as it
 blocks the Ray driver (``CostConfig.finish_blocks``). The logic lives in
-``ray_xlong.tools.mode_bench`` (also behind ``ray-xlong bench --backend ray``). Prints a
+``ray_xlong.jobs.mode_bench`` (also behind ``ray-xlong bench --backend ray``). Prints a
 markdown table and writes JSON shaped ``{"modes": {mode: {"makespan_s", "sim_makespan_s",
 "vs_elastic", "gpu_busy_frac", ...}}, "lower_bound_s", "calibration", ...}`` and one timeline
 PNG per mode (Ray above, simulator below: one plotting function for both logs).
@@ -29,7 +29,7 @@ import argparse
 import json
 import pathlib
 
-from ray_xlong.tools.mode_bench import MODES, PAPER8_MODES, SIZES, run_comparison, table
+from ray_xlong.jobs.mode_bench import MODES, PAPER8_MODES, SIZES, run_comparison, table
 
 __all__ = ["MODES", "PAPER8_MODES", "SIZES", "main"]
 

@@ -18,11 +18,11 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
-import json
+import pathlib
 import statistics
+import sys
 import time
 import tracemalloc
 
@@ -30,12 +30,25 @@ import numpy as np
 import torch
 
 from ray_xlong.models import TinyModelConfig, tiny_causal_lm
-from ray_xlong.trajectory import (LossConfig, ProcessorConfig, TrajectoryProcessor, assemble,
-                                  policy_loss)
+from ray_xlong.trajectory import (
+    LossConfig,
+    ProcessorConfig,
+    TrajectoryProcessor,
+    assemble,
+    policy_loss,
+)
 from ray_xlong.trajectory.assembly import _root
 from ray_xlong.trajectory.model import token_logprobs
 from ray_xlong.trajectory.packing import micro_batches
-from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_run, synthetic_runs
+from ray_xlong.trajectory.synthetic import (
+    SyntheticConfig,
+    synthetic_run,
+    synthetic_runs,
+)
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -205,10 +218,7 @@ def print_tables(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--smoke", action="store_true", help="tiny budget (CI)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--device", default="cpu", help="cpu | cuda (adds a GPU step)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-trajectories", type=int, default=5)
@@ -229,11 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                       tree_attn="sdpa"))
     if args.device == "cuda":
         result["train_steps"].append(bench_train_step(args.seed, args.smoke, "cuda", repeats))
-    print_tables(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return finish(result, show=print_tables, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -31,15 +31,19 @@ median reported; the machine is shared, read the ratio.
 
 from __future__ import annotations
 
-import argparse
-import json
+import pathlib
 import statistics
+import sys
 import time
 
 import ray
 import torch
 
 from ray_xlong.cells.weight_sync import bucket_plan, receive, send
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 
 
 class Peer:
@@ -208,10 +212,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--smoke", action="store_true", help="tiny budget (CI)")
+    parser = bench_parser(__doc__)
     parser.add_argument("--mb", type=float, default=256.0)
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
@@ -241,11 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if started:
             ray.shutdown()
-    print_table(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return finish(result, show=print_table, json_path=args.json)
 
 
 if __name__ == "__main__":

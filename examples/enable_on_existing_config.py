@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.rllib.enable import EnableError
-    from ray_xlong.tools.train import ensure_ray
+    from ray_xlong.jobs.train import ensure_ray
 
     # 1. The config you already had.
     mine = (PPOConfig()

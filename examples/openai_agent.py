@@ -128,7 +128,7 @@ def train(*, steps: int, seed: int, groups: int, runs_per_group: int, engine: st
     from ray_xlong.rllib.algorithm_config import XLongConfig
     from ray_xlong.rollout.tasks.lookup import LookupTask
     from ray_xlong.sim.metrics import role_switches
-    from ray_xlong.tools.train import ensure_ray
+    from ray_xlong.jobs.train import ensure_ray
 
     assert list(LookupTask(0).tools) == TOOLS, "the agent's tools are the warm start's"
     t0 = time.perf_counter()

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from tqdm import tqdm
 
-    from ray_xlong.tools.train import HEADER, row, run_training
+    from ray_xlong.jobs.train import HEADER, row, run_training
     from ray_xlong.sim.timeline import plot_timelines
 
     out = pathlib.Path(args.out)

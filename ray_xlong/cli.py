@@ -146,7 +146,7 @@ def _train_flags(args: argparse.Namespace) -> dict:
 
 def _train(spec) -> int:
     from ray_xlong.rllib.trackers import TrackerSession, cli_trackers, tracker_callbacks
-    from ray_xlong.tools.train import HEADER, row, run_training
+    from ray_xlong.jobs.train import HEADER, row, run_training
     from ray_xlong.scheduling.events import to_jsonl
     from ray_xlong.sim.timeline import plot_timelines
     from ray_xlong.train_config import dump

@@ -112,7 +112,7 @@ def _bench_ray(args: argparse.Namespace, modes: list[str]) -> tuple[dict, dict]:
     if importlib.util.find_spec("ray") is None:
         raise CliError("--backend ray needs Ray RLlib: pip install -e '.[rllib]' (or use "
                        "--backend sim)")
-    from ray_xlong.tools.mode_bench import run_comparison, table
+    from ray_xlong.jobs.mode_bench import run_comparison, table
 
     _known_modes(modes, ALL_MODES)
     size = args.size or "quick"

@@ -1,7 +1,7 @@
 """The layers of DESIGN.md: imports only point down.
 
 ```
-tools/          benchmark + demo tooling          may import everything below
+jobs/           whole jobs (train, driver, modes)  may import everything below
 rllib/          the RLlib adapter                 cells and below
 cells/          the cell runtime on Ray           serving, rollout, models and the pure core;
                                                   no ray.rllib
@@ -14,8 +14,9 @@ scheduling/     cell machine + policies (pure)    nothing of ours
 trajectory/     records → packing (pure)          nothing of ours
 ```
 
-Checked statically (every import statement of every module) and, for the pure packages and
-``cells/``, dynamically (importing every module in a fresh interpreter leaves the forbidden
+Checked statically (every import statement of every module, those inside functions and under
+``TYPE_CHECKING`` included), no import cycle between the modules of one package, and, for the
+pure packages and ``cells/``, dynamically (importing every module in a fresh interpreter leaves the forbidden
 packages out of ``sys.modules``). Each package's ``__init__`` opens with a docstring saying what
 lives there and what it may import.
 """
@@ -46,7 +47,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "viewer": {"models", "trajectory"},
     "cells": {"serving", "rollout", "models", "trajectory", "scheduling", "sim"},
     "rllib": {"cells", "serving", "rollout", "models", "trajectory", "scheduling", "sim"},
-    "tools": {"rllib", "cells", "serving", "rollout", "models", "trajectory", "scheduling",
+    "jobs": {"rllib", "cells", "serving", "rollout", "models", "trajectory", "scheduling",
               "sim"},
 }
 """Our packages each package may import (besides itself and the top-level ``checks``)."""
@@ -123,3 +124,65 @@ def test_importing_the_package_loads_nothing_forbidden(pkg):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"{pkg}/ pulled in: {out.stdout.strip()[:300]}"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph(pkg: str) -> dict[str, set[str]]:
+    """Module → the modules of the same package it imports (anywhere in its body)."""
+    mods = {_module_name(p): p for p in _files(pkg)}
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for dotted in _imports(path):
+            while dotted and dotted not in mods:
+                dotted = dotted.rpartition(".")[0]
+            if dotted and dotted != name and dotted != f"ray_xlong.{pkg}":
+                deps.add(dotted)
+        graph[name] = deps
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (a → b → … → a), or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("pkg", sorted(MAY_IMPORT))
+def test_no_import_cycle_inside_a_package(pkg):
+    """The package's ``__init__`` re-exports its modules and is left out; between the modules
+    themselves imports form no cycle (deferred imports inside functions count too)."""
+    cycle = _cycle(_module_graph(pkg))
+    assert cycle is None, f"ray_xlong/{pkg}/: import cycle {' -> '.join(cycle)}"
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_product_never_imports_the_benchmark_tooling(path):
+    bad = {n for n in _imports(path) if _matches(n, "benchmarks") or _matches(n, "tests")}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)} (tooling, not the product)"

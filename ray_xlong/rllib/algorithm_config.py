@@ -36,7 +36,7 @@ from ray_xlong.trajectory import LossConfig
 ENGINES = ("hf", "vllm")
 """Valid ``XLongOptions.engine`` values."""
 RECIPE_HARNESS = HarnessConfig(max_new_tokens=8, max_calls=4, max_retries=1)
-"""Run budgets of the lookup recipe (``tools.local_rl.LocalRLConfig.harness``)."""
+"""Run budgets of the lookup recipe (``benchmarks.tools.local_rl.LocalRLConfig.harness``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -147,7 +147,7 @@ class XLongConfig(AlgorithmConfig):
         from ray_xlong.rllib.algorithm import XLongAlgorithm
 
         super().__init__(algo_class=algo_class or XLongAlgorithm)
-        # The lookup recipe (tools.local_rl): lr, clip, 16 groups × 8 runs per step.
+        # The lookup recipe (benchmarks/tools/local_rl.py): lr, clip, 16 groups × 8 runs per step.
         self.lr = 5e-4
         self.grad_clip = 1.0
         self.train_batch_size_per_learner = 128

@@ -1,6 +1,6 @@
 """Accumulate one micro-batch's loss: the training step every trainer shares.
 
-The Learner on a cell (``rllib/learner.py``), the single-process loop (``tools/local_rl.py``)
+The Learner on a cell (``rllib/learner.py``), the single-process loop (``benchmarks/tools/local_rl.py``)
 and the step benchmark all train the same way::
 
     logprobs = token_logprobs(model, micro)            either layout; tree rows use the

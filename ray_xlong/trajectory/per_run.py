@@ -26,7 +26,7 @@ import numpy as np
 
 from ray_xlong.trajectory.assembly import Trajectory, assemble
 from ray_xlong.trajectory.packing import PackedBatch, RunPiece, pack
-from ray_xlong.trajectory.processor import BatchStats, ProcessorConfig, run_stats
+from ray_xlong.trajectory.batch_config import BatchStats, ProcessorConfig, run_stats
 from ray_xlong.trajectory.records import AgentRun, RecordError, check_run
 from ray_xlong.trajectory.selection import select
 from ray_xlong.trajectory.tree import PrefixTree

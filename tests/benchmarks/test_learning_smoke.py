@@ -1,7 +1,7 @@
 """Smoke run of benchmarks/learning.py: tiny budget, the JSON shape and the table.
 
 Two modes: colocated (the table's ratio base) and elastic; a mode is only a name passed to
-``tools.train.run_training``, and async cells are covered by the mode benchmarks' smoke runs and
+``jobs.train.run_training``, and async cells are covered by the mode benchmarks' smoke runs and
 the multi-node pool tests (a third mode here cost ~80 s of CI)."""
 
 from __future__ import annotations

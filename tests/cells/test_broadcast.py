@@ -60,7 +60,7 @@ def cells(tmp_path_factory):
 
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.rllib.cell_actors import cell_actors
-    from ray_xlong.tools.driver import rollout_config
+    from ray_xlong.jobs.driver import rollout_config
 
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
     ray.init(num_cpus=2, num_gpus=4, include_dashboard=False,
@@ -221,7 +221,7 @@ def test_broadcast_job_puts_the_learners_weights_into_every_engine(cells):
     bitwise."""
     import ray
 
-    from ray_xlong.tools.faults import audit
+    from benchmarks.tools.faults import audit
 
     cfg, pool = cells
     store_act, store = run(dataclasses.replace(cfg, weight_sync="object_store"), pool)
@@ -258,7 +258,7 @@ def test_a_runner_killed_at_a_sync_loses_nothing(cells):
     import ray
 
     from ray_xlong.cells.actuator import RayActuator
-    from ray_xlong.tools.faults import audit
+    from benchmarks.tools.faults import audit
 
     class KillAtSync(RayActuator):
         killed: list[int] = []

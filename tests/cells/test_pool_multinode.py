@@ -15,7 +15,7 @@ from ray_xlong.models import build_tiny_model_dir
 from ray_xlong.cells.pool import CellLayout, LayoutError, create_cells
 from ray_xlong.cells.config import CellJobConfig
 from ray_xlong.rllib.cell_actors import cell_actors
-from ray_xlong.tools.driver import rollout_config, run_job, start_cells
+from ray_xlong.jobs.driver import rollout_config, run_job, start_cells
 from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.cells.long_horizon_job import LongHorizonJob
 from ray_xlong.cells.metrics import check_invariants

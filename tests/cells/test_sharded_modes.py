@@ -21,7 +21,7 @@ from ray_xlong.models import build_tiny_model_dir
 from ray_xlong.rollout import HarnessConfig
 from ray_xlong.rollout.tasks import LongHorizonConfig
 from ray_xlong.scheduling import SchedulingConfig
-from ray_xlong.tools.driver import run_job, start_cells
+from ray_xlong.jobs.driver import run_job, start_cells
 
 JOB = SchedulingConfig(total_steps=2, batch_groups=2, runs_per_group=2, staleness_bound=1)
 WORK = LongHorizonJob(task=LongHorizonConfig(num_steps=3, latency_median_s=900.0,

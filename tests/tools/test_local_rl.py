@@ -12,7 +12,7 @@ import torch
 
 from ray_xlong.models import load_model
 from ray_xlong.rollout import TokenFormat, HarnessConfig, HFEngine, Harness
-from ray_xlong.tools.local_rl import (LocalRLConfig, WarmStartConfig, push_weights, rollout,
+from benchmarks.tools.local_rl import (LocalRLConfig, WarmStartConfig, push_weights, rollout,
                                         run_local_rl, train_step)
 from ray_xlong.rollout.tasks import make_task
 from ray_xlong.rollout.tasks.lookup import LookupTask, demonstration, noisy_demonstrations

@@ -13,7 +13,7 @@ audit(result, job)  from the event log and the trained-run ids: runs lost, runs 
 ```
 
 Kills are real (``ray.kill(actor, no_restart=True)``, a raylet removed); only *when* and *whom*
-is chosen here. ``python -m ray_xlong.tools.faults`` is a driver process for the driver-restart
+is chosen here. ``python -m benchmarks.tools.faults`` is a driver process for the driver-restart
 fault: it runs (or resumes) one job from a pickled :class:`~ray_xlong.cells.config.CellJobConfig`
 on a running cluster and writes its result; the parent kills it and starts another.
 """
@@ -226,7 +226,7 @@ def drive(config_path: str, address: str, out: str, *, resume: bool) -> None:
     from ray_xlong.cells.actuator import RayActuator
     from ray_xlong.cells.checkpoint import CHECKPOINT
     from ray_xlong.cells.config import make_policy
-    from ray_xlong.tools.driver import start_cells
+    from ray_xlong.jobs.driver import start_cells
 
     with open(config_path, "rb") as f:
         config = pickle.load(f)

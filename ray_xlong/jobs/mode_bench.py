@@ -100,7 +100,7 @@ def calibrate(config, pool, *, steps: int = 1) -> dict:
     model, measured. With ``steps`` > 1 the costs are medians (a learner's first step pays a
     warm-up, ~1 s here, that the job's later steps do not) and a sync back is measured."""
     from ray_xlong.cells.long_horizon_job import predicted_durations
-    from ray_xlong.tools.driver import run_job
+    from ray_xlong.jobs.driver import run_job
     from ray_xlong.scheduling import SchedulingConfig
 
     job = SchedulingConfig(steps, 1, config.job.runs_per_group, 0)
@@ -135,7 +135,7 @@ def parallel_cells(config, pool, costs: dict) -> float:
     one or two micro-batches at once): ``cells × rate_all / rate_one``, in [1, cells]. Logical
     GPUs on a few shared CPU cores do not add training throughput; real GPUs would give cells."""
     from ray_xlong.scheduling import SchedulingConfig
-    from ray_xlong.tools.driver import run_job
+    from ray_xlong.jobs.driver import run_job
 
     g, cells = config.job.runs_per_group, config.layout.cells
     job = SchedulingConfig(2, max(1, cells // g), g, 0)
@@ -334,7 +334,7 @@ def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = N
     import ray
 
     from ray_xlong.models import build_tiny_model_dir
-    from ray_xlong.tools.driver import start_cells
+    from ray_xlong.jobs.driver import start_cells
 
     if size not in SIZES:
         raise ValueError(f"size: unknown {size!r}; choose from {sorted(SIZES)}")

@@ -6,7 +6,7 @@ result = run_job(config, pool)                 policy of config.mode drives the 
 check_invariants(result, staleness_bound=b)    the event log obeys the cell invariants
 pool.shutdown()
 ```
-``python -m ray_xlong.tools.driver`` runs a small elastic job on a local Ray and prints its
+``python -m ray_xlong.jobs.driver`` runs a small elastic job on a local Ray and prints its
 summary.
 """
 
