@@ -14,13 +14,13 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "endpoint.
 
 @pytest.mark.benchmark
 @pytest.mark.slow
-def test_endpoint_benchmark_smoke(tmp_path):
+def test_endpoint_benchmark_smoke(tmp_path, warm_cache):
     out = tmp_path / "endpoint.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--runs", "2", "--turns", "2",
                            "--repeats", "2",
                            "--engines", "scripted,hf,compute", "--compute-model", "128x2",
                            "--quick-warm", "--workdir",
-                           str(tmp_path / "cache"), "--json", str(out)],
+                           str(warm_cache), "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| engine | path | calls | tokens | median wall s | calls/s | tokens/s |" in proc.stdout

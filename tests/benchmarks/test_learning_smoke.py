@@ -21,10 +21,10 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "learning.
 @pytest.mark.benchmark
 @pytest.mark.ray
 @pytest.mark.slow
-def test_learning_smoke(tmp_path):
+def test_learning_smoke(tmp_path, warm_cache):
     out = tmp_path / "learning.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--modes", "colocated",
-                           "elastic", "--json", str(out)],
+                           "elastic", "--json", str(out), "--workdir", str(warm_cache)],
                           capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="rx", dir="/tmp")))
     assert proc.returncode == 0, proc.stderr[-3000:]

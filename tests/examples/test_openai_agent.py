@@ -17,10 +17,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_openai_agent_example_trains_on_elastic_cells(tmp_path):
+def test_openai_agent_example_trains_on_elastic_cells(tmp_path, warm_cache):
     env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="rx", dir="/tmp"))
     out = subprocess.run([sys.executable, "examples/openai_agent.py", "--smoke", "--workdir",
-                          str(tmp_path / "cache"), "--json", str(tmp_path / "curve.json")],
+                          str(warm_cache), "--json", str(tmp_path / "curve.json")],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step   2  reward" in out.stdout and "elastic on hf, seed 1" in out.stdout

@@ -24,9 +24,9 @@ def run(args, tmp_path, timeout=400):
 
 
 @pytest.mark.slow
-def test_train_elastic_smoke_writes_table_timeline_and_summary(tmp_path):
+def test_train_elastic_smoke_writes_table_timeline_and_summary(tmp_path, warm_cache):
     out = run(["examples/train_elastic.py", "--smoke", "--engine", "hf",
-               "--workdir", str(tmp_path / "cache"), "--out", str(tmp_path / "out")], tmp_path)
+               "--workdir", str(warm_cache), "--out", str(tmp_path / "out")], tmp_path)
     assert "| step | reward |" in out.stdout and "| 2 |" in out.stdout   # per-step table
     assert "DeprecationWarning" not in out.stderr, out.stderr[-3000:]  # RLlib's, once per step
     assert "elastic on hf engines" in out.stdout

@@ -153,14 +153,14 @@ def test_from_checkpoint_continues_in_a_new_process(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_reward_rises_in_elastic_mode(tmp_path_factory):
+def test_reward_rises_in_elastic_mode(warm_cache):
     """The lookup recipe (warm start, lr 5e-4, 16 groups × 8 runs) on 2 elastic cells: the
     mean reward of steps 21-25 beats that of steps 1-3 by >= 0.3 (measured: ~0.22 -> ~0.55)."""
     from ray_xlong.cells.task_job import warm_started_model_dir
 
     if ray.is_initialized():
         ray.shutdown()
-    model_dir = warm_started_model_dir(tmp_path_factory.mktemp("warm"), seed=1)
+    model_dir = warm_started_model_dir(warm_cache, seed=1)
     algo = (XLongConfig().debugging(seed=1)
             .xlong(mode="elastic", cells=2, model_dir=model_dir, placement_strategy="PACK")
             .build_algo())
