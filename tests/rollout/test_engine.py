@@ -230,7 +230,8 @@ def test_weight_update_waits_for_the_request_in_flight(model_dir):
         engine = HFEngine(model_dir)
         long = asyncio.ensure_future(engine.generate(np.arange(1, 6), sampling=SamplingConfig(
             max_tokens=40, temperature=0)))
-        await asyncio.sleep(0.05)                  # the long request is in flight
+        while engine.num_running() == 0:           # the long request is in flight
+            await asyncio.sleep(0)
         await engine.update_weights(new, version=1)
         after = await engine.generate(np.arange(1, 6), sampling=SamplingConfig(
             max_tokens=40, temperature=0))
