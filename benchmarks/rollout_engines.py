@@ -47,6 +47,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 
 DEFAULT_BLOCK = 128
 """Block size assumed for ``expected_hit_rate`` when no vLLM engine reports its own."""
@@ -266,9 +267,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seed", type=int, default=0)
+def main(argv: list[str] | None = None) -> dict | None:
+    p = bench_parser(__doc__)
     p.add_argument("--runs", type=int, default=16, help="concurrent runs")
     p.add_argument("--group-size", type=int, default=4, help="runs per group (shared brief)")
     p.add_argument("--calls", type=int, default=6, help="model calls (turns) per run")
@@ -278,15 +278,13 @@ def main() -> None:
     p.add_argument("--brief-tokens", type=int, default=128,
                    help="length of a group's shared task brief (about)")
     p.add_argument("--engines", default="vllm,hf")
-    p.add_argument("--smoke", action="store_true", help="tiny budget")
-    p.add_argument("--json", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args.child, args.model_dir, args)))
-        return
+        return None
     if args.smoke:
         args.runs, args.group_size, args.calls, args.new_tokens = 2, 2, 2, 8
         args.system_tokens, args.brief_tokens = 160, 16
@@ -303,11 +301,9 @@ def main() -> None:
         for e in engines:
             rows.append(_child(args, e, model_dir, block))
             block = rows[-1].get("block_size", block)
-    print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**{k: getattr(args, k) for k in _SHAPE},
-                       "same_tokens": same_tokens(rows), "rows": rows}, f, indent=2)
+    result = {**{k: getattr(args, k) for k in _SHAPE}, "same_tokens": same_tokens(rows),
+              "rows": rows}
+    return finish(result, show=lambda r: print(table(r["rows"])), json_path=args.json)
 
 
 if __name__ == "__main__":
