@@ -1,5 +1,5 @@
 """The run spool: a write-ahead log of ended runs, so that no finished run is lost with the
-actor or driver that held it (DESIGN.md invariant 10).
+actor or driver that held it (docs/design.md, invariant 9).
 
 ```
 runner: run ends ─► spool.put(cell, result)   one file per run, written then renamed (atomic)

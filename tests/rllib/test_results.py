@@ -4,7 +4,7 @@
   computed at once, the gradient norm is the norm of the reduced gradient before clipping, the
   token statistics count every trained token once.
 * ``XLongAlgorithm.train()`` on a local Ray passes RLlib's own
-  ``check_train_results_new_api_stack``; every key of the README's metric table is present and
+  ``check_train_results_new_api_stack``; every key of the metric table in docs/rllib.md is present and
   finite; lifetime counters add up; RLlib's metrics logger prints no deprecation warning.
 """
 
@@ -103,8 +103,8 @@ def test_members_merge_and_the_step_time_splits():
 
 # -- the algorithm on Ray ---------------------------------------------------------------------
 def readme_metric_keys() -> list[str]:
-    """The keys of the README's metric table (first column, in backticks)."""
-    text = (ROOT / "README.md").read_text()
+    """The keys of the metric table in docs/rllib.md (first column, in backticks)."""
+    text = (ROOT / "docs" / "rllib.md").read_text()
     section = text.split("### Metric keys", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     return re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)
 
