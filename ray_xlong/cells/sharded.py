@@ -161,7 +161,7 @@ class LearnerRank:
     def send_weights(self, spec: Any, version: int) -> int:
         """Gather the full weights (collective) and broadcast them from rank 0 to the runners
         of ``spec``'s sync group (``cells/broadcast.py``). Returns bytes sent (0 off rank 0)."""
-        from ray_xlong.cells.weight_sync import SyncGroups
+        from ray_xlong.cells.weight_sync import sync_groups
 
         if version != self.version:
             raise RuntimeError(f"LearnerRank.send_weights: rank at version {self.version}, "
@@ -169,9 +169,7 @@ class LearnerRank:
         weights = self.get_weights()
         if self.rank != 0:
             return 0
-        if not hasattr(self, "_sync_groups"):
-            self._sync_groups = SyncGroups()
-        return self._sync_groups.send(spec, weights, version)
+        return sync_groups(self).send(spec, weights, version)
 
     def get_xlong_state(self) -> dict[str, Any]:
         """Full weights + optimizer state + version (rank 0's is complete). Collective."""
