@@ -64,9 +64,11 @@ class LearnerRank:
         self.rank, self.world_size = rank, world_size
         self.version, self.asleep, self.micro_batches, self.tokens = 0, False, 0, 0
         self.device = torch.device("cuda", 0) if sharding.device == "cuda" else torch.device("cpu")
+        self.offload_to = torch.device("cpu")
+        """Where :meth:`sleep` moves the training state (nowhere when it is ``device``)."""
         self.sleep_memory: dict[str, int] = {}
         """Device bytes allocated before / after the last sleep and after its wake-up
-        (``before_sleep``, ``asleep``, ``awake``; CUDA only)."""
+        (``before_sleep``, ``asleep``, ``awake``; 0 off CUDA)."""
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port (rank 0 hosts the rendezvous)."""
@@ -215,24 +217,26 @@ class LearnerRank:
     def wake_up(self, state: Mapping[str, Any] | None = None, after: Any = None) -> int:
         """Awake: the training state back on the device, then ``state`` loaded if its
         version differs. Returns the version."""
-        if self.asleep and self.device.type == "cuda":
+        if self.asleep and self.offload_to != self.device:
             move_training_state(self.root, self.opt, self.device)
-            self.sleep_memory["awake"] = torch.cuda.memory_allocated(self.device)
+            self.sleep_memory["awake"] = _allocated(self.device)
         self.asleep = False
         if state is not None and int(state["version"]) != self.version:
             self.set_xlong_state(state)
         return self.version
 
     def sleep(self) -> None:
-        """Free the device for the cell's engines: gradients dropped; on CUDA the parameter
-        shards and optimizer state to host memory and the allocator's cache emptied."""
+        """Free the device for the cell's engines: gradients dropped; the parameter shards and
+        optimizer state moved to ``offload_to`` (on CUDA: host memory) and the allocator's
+        cache emptied."""
         for p in self.lm.parameters():
             p.grad = None
-        if self.device.type == "cuda" and not self.asleep:
-            self.sleep_memory["before_sleep"] = torch.cuda.memory_allocated(self.device)
-            move_training_state(self.root, self.opt, torch.device("cpu"))
-            torch.cuda.empty_cache()
-            self.sleep_memory["asleep"] = torch.cuda.memory_allocated(self.device)
+        if self.offload_to != self.device and not self.asleep:
+            self.sleep_memory["before_sleep"] = _allocated(self.device)
+            move_training_state(self.root, self.opt, self.offload_to)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.sleep_memory["asleep"] = _allocated(self.device)
         self.asleep = True
 
     def take_step_stats(self, version: int) -> None:
@@ -250,16 +254,22 @@ def move_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimize
                         device: torch.device) -> int:
     """Move ``module``'s parameters and buffers (FSDP2 shards: ``FSDPModule._apply`` keeps the
     sharded parameters registered, the same objects, so ``optimizer`` still holds them) and
-    every tensor of ``optimizer``'s state to ``device``. Returns the bytes that moved."""
+    ``optimizer``'s state tensors (scalars stay: Adam's ``step`` lives where Adam wants it) to
+    ``device``. Returns the bytes that moved."""
     moved = sum(t.numel() * t.element_size()
                 for t in [*module.parameters(), *module.buffers()] if t.device != device)
     module.to(device)
     for state in optimizer.state.values():
         for key, value in state.items():
-            if torch.is_tensor(value) and value.device != device:
+            if torch.is_tensor(value) and value.dim() > 0 and value.device != device:
                 moved += value.numel() * value.element_size()
                 state[key] = value.to(device)
     return moved
+
+
+def _allocated(device: torch.device) -> int:
+    """Bytes the caching allocator has handed out on ``device`` (0 off CUDA)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
 def _init_process_group(sharding: ShardingSettings, *, rank: int, world_size: int,
