@@ -69,7 +69,8 @@ def stage_engine(ctx: Ctx) -> dict:
 
         n = max(1, torch.cuda.device_count())
         layout = EngineLayout(engines_per_cell=1, tensor_parallel_size=1)
-        make = lambda i, tp: VLLMEngine(ctx.model_dir, seed=i)  # noqa: E731
+        make = lambda i, tp: VLLMEngine(ctx.model_dir, seed=i,  # noqa: E731
+                                        tensor_parallel_size=tp)
     else:
         n, layout = 2, EngineLayout(engines_per_cell=2)
         make = lambda i, tp: HFEngine(ctx.model_dir, seed=i)  # noqa: E731
