@@ -23,9 +23,9 @@ import datetime
 import os
 import pickle
 import queue as queue_mod
-import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -115,14 +115,9 @@ def _stream_order(rank: int, lr: Any, cfg: dict) -> dict:
         send(weights, plan, device=dev, timeout_s=60.0)
         return {"buckets": len(plan)}
     stream = torch.cuda.Stream() if dev == "cuda" else None
-    got = []
-    with_thread = threading.Thread
-    for part in receive(plan, device=dev, timeout_s=60.0):
-        result: list[float] = []
-        t = with_thread(target=lambda p=part: result.append(_consume(p, stream)))
-        t.start()
-        t.join()
-        got.append(result[0])
+    with ThreadPoolExecutor(1) as reader:             # not the thread that received
+        got = [reader.submit(_consume, part, stream).result()
+               for part in receive(plan, device=dev, timeout_s=60.0)]
     return {"stream_sync_ok": got == sums}
 
 

@@ -122,46 +122,48 @@ def stage_tree_attention(device: str, seed: int) -> dict:
     return out
 
 
-def tree_kv_end(n: int, *, branches: int = 4) -> torch.Tensor:
-    """``kv_end`` of one tree of ``n`` tokens: a trunk of n/2, then ``branches`` equal branches
-    (the rule ``mask[i, j] = j <= i < kv_end[j]``)."""
+def tree_layout(n: int, *, branches: int = 4) -> tuple[torch.Tensor, int, list[tuple[int, int]]]:
+    """One tree of ``n`` tokens: a trunk of n/2, then ``branches`` equal branches. Returns
+    ``kv_end`` (the rule ``mask[i, j] = j <= i < kv_end[j]``), the trunk length and each
+    branch's ``[lo, hi)``."""
     trunk = n // 2
-    kv = torch.full((n,), n, dtype=torch.int64)
     width = (n - trunk) // branches
-    for b in range(branches):
-        lo = trunk + b * width
-        hi = n if b == branches - 1 else lo + width
+    spans = [(trunk + b * width, n if b == branches - 1 else trunk + (b + 1) * width)
+             for b in range(branches)]
+    kv = torch.full((n,), n, dtype=torch.int64)
+    for lo, hi in spans:
         kv[lo:hi] = hi
-    return kv
+    return kv, trunk, spans
 
 
-def _per_trajectory(q, k, v, kv_end: torch.Tensor) -> torch.Tensor:
+def _per_trajectory(q, k, v, trunk: int, spans: list[tuple[int, int]]) -> torch.Tensor:
     """Each root-to-leaf path (trunk ++ branch) as its own causal sequence; outputs placed
     back in the tree's layout (the trunk's from the first path)."""
-    n = kv_end.numel()
-    trunk = int((kv_end == n).sum()) if kv_end[-1] != n else n // 2
     out = torch.empty_like(q)
-    for lo in sorted({int(i) for i in range(trunk, n) if i == trunk or kv_end[i] != kv_end[i - 1]}):
-        hi = int(kv_end[lo])
-        idx = torch.cat([torch.arange(trunk), torch.arange(lo, hi)]).to(q.device)
+    head = torch.arange(trunk, device=q.device)
+    for i, (lo, hi) in enumerate(spans):
+        idx = torch.cat([head, torch.arange(lo, hi, device=q.device)])
         o = F.scaled_dot_product_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx],
                                            is_causal=True, enable_gqa=True)
         out[:, :, lo:hi] = o[:, :, trunk:]
-        if lo == trunk:
+        if i == 0:
             out[:, :, :trunk] = o[:, :, :trunk]
     return out
 
 
-def _attention_fns(device: str, kv_end: torch.Tensor) -> dict:
-    """``name -> f(q, k, v) -> out [1, H, N, D]`` for each way to attend over the tree."""
-    plan = tree_plan(kv_end[None], torch.ones(1, kv_end.numel(), dtype=torch.bool,
-                                              device=kv_end.device))
+def _attention_fns(device: str, n: int) -> dict:
+    """``name -> f(q, k, v) -> out [1, H, N, D]`` for each way to attend over a tree of ``n``
+    tokens (:func:`tree_layout`)."""
+    kv, trunk, spans = tree_layout(n)
+    kv_end = kv.to(device)
+    plan = tree_plan(kv_end[None], torch.ones(1, n, dtype=torch.bool, device=device))
+    mask = tree_mask_bool(kv_end[None])
     dummy = torch.nn.Module().eval()
     fns = {"xlong_tree": lambda q, k, v: tree_attention_forward(
         dummy, q, k, v, None, tree_plan=plan)[0].transpose(1, 2),
         "dense": lambda q, k, v: F.scaled_dot_product_attention(
-            q, k, v, attn_mask=tree_mask_bool(kv_end[None]), enable_gqa=True),
-        "per_trajectory": lambda q, k, v: _per_trajectory(q, k, v, kv_end)}
+            q, k, v, attn_mask=mask, enable_gqa=True),
+        "per_trajectory": lambda q, k, v: _per_trajectory(q, k, v, trunk, spans)}
     if device == "cuda":
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -198,12 +200,11 @@ def stage_tree_scaling(device: str, seed: int) -> dict:
     gen = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, Any] = {}
     for n in SIZES[device]:
-        kv_end = tree_kv_end(n).to(device)
         shape = [(1, 14, n, 64), (1, 2, n, 64), (1, 2, n, 64)]
         q, k, v = (torch.randn(s, generator=gen, device=device, dtype=dtype).requires_grad_()
                    for s in shape)
         ref = None
-        for name, fn in _attention_fns(device, kv_end).items():
+        for name, fn in _attention_fns(device, n).items():
             try:
                 seconds, peak, o = _measure(fn, q, k, v, device)
             except torch.OutOfMemoryError as exc:
