@@ -22,7 +22,10 @@ Tensor parallelism: ``tensor_parallel_size`` > 1 builds vLLM with
 process sits in a Ray placement group (``ParallelConfig.__post_init__``:
 ``get_current_placement_group()``), which is always the case in a cell's engine actor; the
 multiprocessing executor spawns the workers from the actor, on the GPUs Ray gave it
-(``CUDA_VISIBLE_DEVICES``).
+(``CUDA_VISIBLE_DEVICES``). :class:`VLLMEngineMaker` is the picklable ``make(index, tp)`` a
+cell's ``EngineLayout`` calls. The reload functions reach the workers as pickled callables
+(``collective_rpc(fn)``), which the in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+allows without ``VLLM_ALLOW_INSECURE_SERIALIZATION``.
 
 Sleep (colocated cells: the Learner ranks get the GPU while the cell trains): on CUDA the
 engine is built with ``enable_sleep_mode`` and sleeps with ``llm.sleep(level=1|2)`` (1: weights
@@ -40,6 +43,7 @@ Import this module only where vLLM is installed; caches go to ``VLLM_CACHE_ROOT`
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import pathlib
@@ -301,6 +305,41 @@ class VLLMEngine(BatchingEngine):
         self._latest, self._weights_pending = None, False
         self.llm.wake_up()
         self.llm.reset_prefix_cache()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VLLMEngineMaker:
+    """``make(index, tensor_parallel_size) -> VLLMEngine``: the picklable engine maker of a
+    cell's ``EngineLayout`` (``cells.engines.engine_set_factory``; with engine actors each
+    actor calls it in its own process, on the GPUs Ray gave it)."""
+
+    model_dir: str
+    """The model directory every engine loads."""
+    seed: int = 0
+    """Engine ``index`` gets seed ``seed + index``."""
+    max_batch_size: int = 64
+    """``VLLMEngine.max_batch_size``."""
+    dtype: str = "bfloat16"
+    """``VLLMEngine.dtype``."""
+    max_model_len: int = 4096
+    """``VLLMEngine.max_model_len``."""
+    sleep_level: int = 1
+    """``VLLMEngine.sleep_level``."""
+    gpu_memory_utilization: float = 0.4
+    """``VLLMEngine.gpu_memory_utilization``."""
+    load_bucket_mb: float = 256.0
+    """``VLLMEngine.load_bucket_mb``."""
+
+    def __post_init__(self) -> None:
+        _check_args(self.sleep_level, 1, self.load_bucket_mb)
+
+    def __call__(self, index: int, tensor_parallel_size: int) -> VLLMEngine:
+        return VLLMEngine(self.model_dir, max_batch_size=self.max_batch_size,
+                          seed=self.seed + index, dtype=self.dtype,
+                          max_model_len=self.max_model_len, sleep_level=self.sleep_level,
+                          gpu_memory_utilization=self.gpu_memory_utilization,
+                          tensor_parallel_size=tensor_parallel_size,
+                          load_bucket_mb=self.load_bucket_mb)
 
 
 def _check_args(sleep_level: int, tensor_parallel_size: int, load_bucket_mb: float) -> None:

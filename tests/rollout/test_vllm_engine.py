@@ -224,3 +224,22 @@ def test_vllm_level_two_wake_without_new_weights_is_refused(sleep_mode, model_di
     assert names[2] == "_begin_reload" and names[-4:] == ["_end_reload", "reset_prefix_cache",
                                                           "wake_up", "reset_prefix_cache"]
     assert engine._latest is None               # sleep mode keeps nothing once loaded
+
+
+def test_vllm_engine_maker_builds_engine_index_with_the_layouts_tensor_parallelism(
+        model_dir, monkeypatch):
+    """``VLLMEngineMaker`` is what an engine actor calls with ``(index, tp)``: picklable,
+    validated at construction, and it hands the index's seed and the layout's TP to the
+    engine (construction recorded, not run: TP 2 needs two GPUs)."""
+    import pickle
+
+    from ray_xlong.rollout import vllm_engine
+
+    made = []
+    monkeypatch.setattr(vllm_engine, "VLLMEngine",
+                        lambda model_dir, **kw: made.append((model_dir, kw)) or "engine")
+    maker = pickle.loads(pickle.dumps(vllm_engine.VLLMEngineMaker(str(model_dir), seed=5)))
+    assert maker(1, 2) == "engine"
+    assert made[0][1]["seed"] == 6 and made[0][1]["tensor_parallel_size"] == 2
+    with pytest.raises(ValueError, match="VLLMEngine.sleep_level"):
+        vllm_engine.VLLMEngineMaker(str(model_dir), sleep_level=0)
