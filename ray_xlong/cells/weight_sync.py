@@ -25,7 +25,9 @@ timeout: the watchdog would otherwise tear down the surviving process
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), and the driver's object-store fallback
 (``cells/broadcast.py``) could not reach it. The sync group's NCCL timeout is therefore set
 well past the deadline, and it is built with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up
-the communicator, keep the process).
+the communicator, keep the process): ``ProcessGroupNCCL`` reads that variable in its
+constructor (default 3, SkipCleanUp: the process is killed), so it applies to this group only,
+not to the cell's FSDP group.
 
 vLLM's own weight-transfer engines (``vllm.distributed.weight_transfer``: NCCL, CUDA IPC) are
 not used for the transfer: they live inside vLLM's workers, are set up once per engine with a
