@@ -12,9 +12,12 @@ CPU (``--device cpu``, in CI so the script cannot rot).
 |                | joins mid-step                                 |                                  |
 
 Each stage runs even when an earlier one failed (its error goes in the table); the exit code is
-1 when any failed. Nothing here has run on a GPU yet (no GPU machine was available to the
-session that wrote it): the cuda column is unverified.
+1 when any failed. ``--torch-only`` runs the stages that need only torch and transformers
+instead (``gpu_check_torch.py``: tree attention, its scaling to 64k tokens, a LearnerRank step
+with sleep / wake, two ranks with weight sync and a lost peer): it imports neither Ray nor
+vLLM, for GPU machines that have neither. What has run on a GPU: ``docs/gpu-first-run.md``.
 
+    python benchmarks/gpu_check.py --device cuda --torch-only --json gpu_torch.json
     python benchmarks/gpu_check.py --device cuda --json gpu.json
     python benchmarks/gpu_check.py --device cpu --seed 0 --json cpu.json
 """
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import pathlib
 import sys
 import tempfile
 import time
@@ -65,7 +69,8 @@ def stage_engine(ctx: Ctx) -> dict:
 
         n = max(1, torch.cuda.device_count())
         layout = EngineLayout(engines_per_cell=1, tensor_parallel_size=1)
-        make = lambda i, tp: VLLMEngine(ctx.model_dir, seed=i)  # noqa: E731
+        make = lambda i, tp: VLLMEngine(ctx.model_dir, seed=i,  # noqa: E731
+                                        tensor_parallel_size=tp)
     else:
         n, layout = 2, EngineLayout(engines_per_cell=2)
         make = lambda i, tp: HFEngine(ctx.model_dir, seed=i)  # noqa: E731
@@ -320,7 +325,8 @@ def run(device: str, seed: int) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"\n## gpu_check --device {result['device']} (GPUs: {result['gpus']}, torch "
+    flag = " --torch-only" if result.get("torch_only") else ""
+    print(f"\n## gpu_check --device {result['device']}{flag} (GPUs: {result['gpus']}, torch "
           f"{result['torch']})\n")
     print("| stage | ok | s | details |")
     print("|---|---|---|---|")
@@ -328,6 +334,7 @@ def print_table(result: dict) -> None:
         details = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in r.items() if k not in ("ok", "seconds"))
         print(f"| {name} | {'yes' if r['ok'] else 'NO'} | {r['seconds']:.2f} | {details} |")
+    print()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -335,8 +342,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--torch-only", action="store_true",
+                        help="only the stages that need torch + transformers (no Ray, no vLLM)")
     args = parser.parse_args(argv)
-    result = run(args.device, args.seed)
+    if args.torch_only:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+        from gpu_check_torch import run as run_torch_only
+
+        result = run_torch_only(args.device, args.seed)
+    else:
+        result = run(args.device, args.seed)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -31,11 +31,12 @@ Weights (the design choice). Object store (``set_weights``): the runner receives
 as today and puts it into the object store once; every engine actor fetches that one ref.
 Broadcast (``receive_weights``, ``cells/broadcast.py``): the cell's first engine actor takes the
 runner's rank in the sync group, receives the buckets on its own device (NCCL needs a GPU, and
-the runner holds none), loads them, and returns a host copy by ref for the cell's other engine
-actors (no copy when the cell has one engine). This keeps the sync group one member per target
-cell, so ``broadcast.py`` and its fault handling are unchanged; the price is one host copy of
-the model per sync for a cell of several engines. Making every engine actor a receiver would
-save that copy on GPU and is left for when it is measured there.
+the runner holds none; each bucket goes to host memory as it lands, so the device never holds
+more than a bucket of staging), loads them, and returns those host weights by ref for the
+cell's other engine actors (no ref when the cell has one engine). This keeps the sync group
+one member per target cell, so ``broadcast.py`` and its fault handling are unchanged. Making
+every engine actor a receiver would save the host hop and is left for when it is measured on
+a GPU.
 """
 
 from __future__ import annotations
@@ -93,7 +94,6 @@ class EngineActor:
                  bundle: int) -> None:
         self.make, self.index, self.tp, self.bundle = make, index, tensor_parallel_size, bundle
         self.engine: Any = None
-        self.sync_groups: Any = None
 
     async def build(self) -> EngineActorInfo:
         """Build the engine (on this actor's loop); returns where it runs."""
@@ -113,16 +113,14 @@ class EngineActor:
     async def receive_weights(self, spec: Any, version: int, share: bool
                               ) -> tuple[int, dict[str, torch.Tensor] | None]:
         """Take part in ``spec``'s broadcast (``weight_sync.SyncGroups``: on this actor's
-        device), load the weights, and return ``(version, a host copy for the cell's other
-        engines, or None when not ``share``)``."""
-        from ray_xlong.cells.weight_sync import SyncGroups
+        device; the weights arrive in host memory), load them, and return ``(version, those host
+        weights for the cell's other engines, or None when not ``share``)``."""
+        from ray_xlong.cells.weight_sync import sync_groups
 
-        if self.sync_groups is None:
-            self.sync_groups = SyncGroups()
-        state = await asyncio.to_thread(self.sync_groups.receive, spec, version)
+        # host tensors (each bucket left the device as it landed): shared as they are
+        state = await asyncio.to_thread(sync_groups(self).receive, spec, version)
         await self.engine.update_weights(state, version=version)
-        host = {k: v.detach().cpu() for k, v in state.items()} if share else None
-        return self.engine.policy_version, host
+        return self.engine.policy_version, (state if share else None)
 
     async def sleep(self) -> None:
         await self.engine.sleep()

@@ -14,6 +14,10 @@ ShardedCell (driver-side handle; answers the learner calls ElasticLearnerGroup m
   take_gradients: all-gather the full gradient; rank 0's copy is the cell's
   apply_step:  Σ parts / total, each rank keeps its shard (no communication), Adam on shards
   state:       full (unsharded) weights + optimizer state, rank 0's copy (DCP state_dict)
+  sleep:       gradients dropped; on CUDA the parameter shards and Adam's state go to host
+               memory (``move_training_state``) and the allocator's cache is emptied, so the
+               cell's engines find the GPU free (vLLM checks free memory when it builds or
+               wakes); wake_up moves them back before anything else runs
 placement:     ``sharding.rank_placements`` (CUDA: one device per rank, NCCL; CPU: gloo, no GPU
                asked for, so logical GPUs never lead to NCCL)
 ```
@@ -23,13 +27,18 @@ Learner's, so the elastic reduction and its membership invariance hold (DESIGN.m
 call goes to every rank in the same order (the collectives match); the handle returns rank 0's
 ref, or a ref that fails as soon as any rank failed (a rank lost mid-step fails the cell's
 call at once, not after the survivors' collective times out).
+
+``LearnerRank`` itself needs no Ray (Ray is imported where a call needs it): the torch-only
+device check (``benchmarks/gpu_check.py --torch-only``) runs it in a plain process.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-import ray
 import torch
 
 from ray_xlong.cells.sharding import ShardingError, ShardingSettings, rank_placements
@@ -55,6 +64,11 @@ class LearnerRank:
         self.rank, self.world_size = rank, world_size
         self.version, self.asleep, self.micro_batches, self.tokens = 0, False, 0, 0
         self.device = torch.device("cuda", 0) if sharding.device == "cuda" else torch.device("cpu")
+        self.offload_to = torch.device("cpu")
+        """Where :meth:`sleep` moves the training state (nowhere when it is ``device``)."""
+        self.sleep_memory: dict[str, int] = {}
+        """Device bytes allocated before / after the last sleep and after its wake-up
+        (``before_sleep``, ``asleep``, ``awake``; 0 off CUDA)."""
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port (rank 0 hosts the rendezvous)."""
@@ -65,17 +79,14 @@ class LearnerRank:
     def setup(self, addr: str, port: int) -> int:
         """Join the cell's process group, load and shard the model, build Adam. Returns the
         rank."""
-        from ray.train.torch.config import _setup_torch_process_group
-
         if self.device.type == "cuda":
             if not torch.cuda.is_available():   # logical GPUs only: never try NCCL
                 raise ShardingError(f"ShardingSettings.device='cuda' but rank {self.rank} sees no "
                                     f"CUDA device (torch.cuda.is_available() is False): use "
                                     f"device='cpu' on hosts without CUDA")
             torch.cuda.set_device(self.device)
-        _setup_torch_process_group(backend=self.sharding.backend, world_rank=self.rank,
-                                   world_size=self.world_size, init_method=f"tcp://{addr}:{port}",
-                                   timeout_s=int(self.sharding.timeout_s))
+        _init_process_group(self.sharding, rank=self.rank, world_size=self.world_size,
+                            init_method=f"tcp://{addr}:{port}")
         self.root = _sharded_model(self.settings, self.sharding, self.device, self.world_size)
         self.lm = self.root.lm
         self.opt = torch.optim.Adam(self.lm.parameters(), lr=self.settings.lr)
@@ -134,7 +145,9 @@ class LearnerRank:
         """One Adam step on this rank's shards with ``Σ grads / total`` (see XLongLearner)."""
         from torch.distributed.tensor import distribute_tensor
 
-        grads = [ray.get(g) if isinstance(g, ray.ObjectRef) else g for g in grads]
+        ray = sys.modules.get("ray")        # no Ray imported: no refs to fetch
+        if ray is not None:
+            grads = [ray.get(g) if isinstance(g, ray.ObjectRef) else g for g in grads]
         if version != self.version + 1:
             raise RuntimeError(f"LearnerRank.apply_step: rank at version {self.version} cannot "
                                f"produce version {version} (reload its state first)")
@@ -161,7 +174,7 @@ class LearnerRank:
     def send_weights(self, spec: Any, version: int) -> int:
         """Gather the full weights (collective) and broadcast them from rank 0 to the runners
         of ``spec``'s sync group (``cells/broadcast.py``). Returns bytes sent (0 off rank 0)."""
-        from ray_xlong.cells.weight_sync import SyncGroups
+        from ray_xlong.cells.weight_sync import sync_groups
 
         if version != self.version:
             raise RuntimeError(f"LearnerRank.send_weights: rank at version {self.version}, "
@@ -169,9 +182,7 @@ class LearnerRank:
         weights = self.get_weights()
         if self.rank != 0:
             return 0
-        if not hasattr(self, "_sync_groups"):
-            self._sync_groups = SyncGroups()
-        return self._sync_groups.send(spec, weights, version)
+        return sync_groups(self).send(spec, weights, version)
 
     def get_xlong_state(self) -> dict[str, Any]:
         """Full weights + optimizer state + version (rank 0's is complete). Collective."""
@@ -204,18 +215,28 @@ class LearnerRank:
         return self.version
 
     def wake_up(self, state: Mapping[str, Any] | None = None, after: Any = None) -> int:
-        """Awake; load ``state`` if its version differs. Returns the version."""
+        """Awake: the training state back on the device, then ``state`` loaded if its
+        version differs. Returns the version."""
+        if self.asleep and self.offload_to != self.device:
+            move_training_state(self.root, self.opt, self.device)
+            self.sleep_memory["awake"] = _allocated(self.device)
         self.asleep = False
         if state is not None and int(state["version"]) != self.version:
             self.set_xlong_state(state)
         return self.version
 
     def sleep(self) -> None:
-        """Drop gradients (and on CUDA the allocator's cache) so the engine gets the memory."""
+        """Free the device for the cell's engines: gradients dropped; the parameter shards and
+        optimizer state moved to ``offload_to`` (on CUDA: host memory) and the allocator's
+        cache emptied."""
         for p in self.lm.parameters():
             p.grad = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        if self.offload_to != self.device and not self.asleep:
+            self.sleep_memory["before_sleep"] = _allocated(self.device)
+            move_training_state(self.root, self.opt, self.offload_to)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.sleep_memory["asleep"] = _allocated(self.device)
         self.asleep = True
 
     def take_step_stats(self, version: int) -> None:
@@ -227,6 +248,44 @@ class LearnerRank:
         """This rank's micro-batches, target tokens and version."""
         return {"micro_batches": self.micro_batches, "tokens": self.tokens,
                 "version": self.version}
+
+
+def move_training_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        device: torch.device) -> int:
+    """Move ``module``'s parameters and buffers (FSDP2 shards: ``FSDPModule._apply`` keeps the
+    sharded parameters registered, the same objects, so ``optimizer`` still holds them) and
+    ``optimizer``'s state tensors (scalars stay: Adam's ``step`` lives where Adam wants it) to
+    ``device``. Returns the bytes that moved."""
+    moved = sum(t.numel() * t.element_size()
+                for t in [*module.parameters(), *module.buffers()] if t.device != device)
+    module.to(device)
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.device != device:
+                moved += value.numel() * value.element_size()
+                state[key] = value.to(device)
+    return moved
+
+
+def _allocated(device: torch.device) -> int:
+    """Bytes the caching allocator has handed out on ``device`` (0 off CUDA)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _init_process_group(sharding: ShardingSettings, *, rank: int, world_size: int,
+                        init_method: str) -> None:
+    """``dist.init_process_group`` as Ray Train's torch backend calls it
+    (``ray.train.torch.config._setup_torch_process_group``, Ray 2.60): NCCL's async error
+    handling on unless the environment says otherwise, the cell's timeout; no Ray needed."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if sharding.backend == "nccl" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ:
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    dist.init_process_group(backend=sharding.backend, init_method=init_method, rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=int(sharding.timeout_s)))
 
 
 def rank_rows(batch: PackedBatch, *, rank: int, world_size: int) -> tuple[PackedBatch, int]:
@@ -263,13 +322,13 @@ def _sharded_model(settings: LearnerSettings, sharding: ShardingSettings, device
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    from ray_xlong.cells.config import DTYPES
     from ray_xlong.models import load_model
     from ray_xlong.trajectory.tree_attention import ATTN_IMPLEMENTATION, register
 
     if settings.model_attention == ATTN_IMPLEMENTATION:
         register()
-    lm = load_model(settings.model_dir, dtype=DTYPES[settings.dtype],
+    # LearnerSettings.dtype names a torch dtype (cells.config.DTYPES; that module imports Ray)
+    lm = load_model(settings.model_dir, dtype=getattr(torch, settings.dtype),
                     attn_implementation=settings.model_attention).to(device)
     lm.train()
     if sharding.activation_checkpointing:
@@ -297,15 +356,24 @@ def _decoder_layers(lm: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
 
-@ray.remote(num_cpus=0)
 def _first(refs: list[Any]) -> Any:
     """Rank 0's value once every rank's call succeeded; fails with the first rank that fails,
     as soon as it fails (the refs arrive in a list, so Ray does not wait for all of them)."""
+    import ray
+
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
         ray.get(done[0])
     return ray.get(refs[0])
+
+
+@functools.cache
+def _first_task() -> Any:
+    """:func:`_first` as a Ray task (made on first use: this module imports no Ray)."""
+    import ray
+
+    return ray.remote(num_cpus=0)(_first)
 
 
 class _Method:
@@ -316,7 +384,7 @@ class _Method:
 
     def remote(self, *args: Any) -> Any:
         refs = [getattr(r, self.name).remote(*args) for r in self.ranks]
-        return _first.remote(refs) if self.wait_all else refs[0]
+        return _first_task().remote(refs) if self.wait_all else refs[0]
 
 
 class ShardedCell:
@@ -343,12 +411,16 @@ class ShardedCell:
 
     def kill(self) -> None:
         """Stop every rank."""
+        import ray
+
         for r in self.ranks:
             ray.kill(r, no_restart=True)
 
 
 def kill(actor: Any) -> None:
     """``ray.kill(actor, no_restart=True)``, or every rank of a :class:`ShardedCell`."""
+    import ray
+
     if isinstance(actor, ShardedCell):
         actor.kill()
     else:
@@ -372,6 +444,7 @@ def start_sharded_cell(*, pg: Any, settings: LearnerSettings, sharding: Sharding
     Raises:
         ShardingError: the layout cannot host the ranks (``sharding.rank_placements``).
     """
+    import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     world = sharding.ranks_per_cell

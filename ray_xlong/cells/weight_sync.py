@@ -8,12 +8,35 @@ for bucket in plan:                        for bucket in plan:
                                              engine.update_weights(part)   (or collect all)
 ```
 
-One collective per bucket (``bucket_mb`` caps its size, so the staging memory on both sides is
-a bucket, not the model). On CPU the group is gloo (tested here); on GPU it is NCCL between
-the Learner's GPU and the engines' GPUs, and vLLM loads the received buckets through its
-``load_weights`` between batches (``VLLMEngine.update_weights``) — that path is written, not run
-on a GPU here. Where Learner and engine share a device (colocated), CUDA IPC handles
-(``torch.multiprocessing.reductions.reduce_tensor``) replace the copy; not written yet.
+One collective per bucket (``bucket_mb`` caps its size). A receiver on a GPU copies each bucket
+to host memory as soon as it landed (``SyncGroups.receive``): the device holds one bucket at a
+time, never a staging copy of the whole model, and nothing of a previous sync stays on it; the
+engine then loads the host tensors bucket by bucket (``VLLMEngine`` in one vLLM layerwise
+reload session). On CPU the group is gloo (tested here); on GPU it is NCCL — written against
+torch's ``ProcessGroupNCCL``, checked by ``benchmarks/gpu_check.py --torch-only`` on a GPU.
+
+Every collective is waited for on the CPU with a deadline (:func:`land`): the wait polls the
+work's completion, then synchronises the device's current stream before anyone reads the
+bucket. ``Work.wait()`` alone orders only the calling thread's current stream on NCCL, while
+the weights are read by other threads (the engine's batch thread): without the stream sync a
+reader can see a bucket NCCL has not written yet. When the deadline passes (a peer lost
+mid-sync), the group is aborted (``ProcessGroupNCCL.abort()``) before NCCL's own watchdog
+timeout: the watchdog would otherwise tear down the surviving process
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``), and the driver's object-store fallback
+(``cells/broadcast.py``) could not reach it. The sync group's NCCL timeout is therefore set
+well past the deadline, and it is built with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up
+the communicator, keep the process): ``ProcessGroupNCCL`` reads that variable in its
+constructor (default 3, SkipCleanUp: the process is killed), so it applies to this group only,
+not to the cell's FSDP group.
+
+vLLM's own weight-transfer engines (``vllm.distributed.weight_transfer``: NCCL, CUDA IPC) are
+not used for the transfer: they live inside vLLM's workers, are set up once per engine with a
+fixed trainer group (``init_weight_transfer_engine``), and need CUDA (PyNccl), while a sync
+group here is made per (sender, targets) set, changes with the cells' roles, and must run on
+gloo on CPU. The load side follows their lifecycle (``initialize_layerwise_reload`` → per
+bucket ``load_weights`` → ``finalize_layerwise_reload``). Where Learner and engine share a
+device (colocated), CUDA IPC (vLLM's ``IPCWeightTransferEngine``) is where a copy-free path
+belongs; not written.
 
 Inside a job (``CellJobConfig.weight_sync='broadcast'``, ``cells/broadcast.py`` drives it) the
 group is a :class:`SyncSpec`: the sender (a Learner that applied the step) and the runners of the
@@ -23,15 +46,19 @@ has its cell's FSDP group): a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` on a `
 driver hosts (rendezvous only: no tensor goes through it). The sender puts the bucket plan in
 that store, so the receivers need no model of their own to agree on it. Every collective is
 bounded by ``SyncSpec.timeout_s``: a member lost mid-sync fails the others' calls, never hangs
-them.
+them. An actor that takes part in syncs holds its groups with :func:`sync_groups` (made on
+first use, one per actor).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import os
 import pickle
-from typing import Any, Iterator, Mapping
+import time
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -81,42 +108,81 @@ def _bucket(names: list[str], state_dict: Mapping[str, torch.Tensor]) -> Bucket:
                   state_dict[names[0]].dtype)
 
 
+class SyncTimeout(RuntimeError):
+    """A collective of a sync group did not complete by its deadline (a peer is gone)."""
+
+
+STREAM_SYNC: dict[str, Callable[[torch.device], None]] = {
+    "cuda": lambda device: torch.cuda.current_stream(device).synchronize()}
+"""How :func:`land` makes a landed bucket visible to every thread, per device type (CPU
+tensors need nothing: gloo writes them before its work completes)."""
+
+
+def land(work: Any, flat: torch.Tensor, *, timeout_s: float | None) -> None:
+    """Wait for ``work`` (the collective that fills or reads ``flat``) on the CPU, at most
+    ``timeout_s`` seconds (None: no bound), then synchronise ``flat``'s device stream so that
+    any thread may read it.
+
+    Raises:
+        SyncTimeout: not complete by the deadline (the caller aborts the group).
+    """
+    if timeout_s is not None:
+        deadline, delay = time.monotonic() + timeout_s, 1e-4
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise SyncTimeout(f"weight sync collective not complete after {timeout_s:g} s "
+                                  f"(SyncSpec.timeout_s): a peer is gone")
+            time.sleep(delay)           # polling a CUDA event / gloo flag, not synchronising
+            delay = min(2 * delay, 0.02)
+    work.wait()                         # re-raises the collective's own error (gloo)
+    sync = STREAM_SYNC.get(flat.device.type)
+    if sync is not None:
+        sync(flat.device)
+
+
 def send(state_dict: Mapping[str, torch.Tensor], plan: list[Bucket], *, src: int = 0,
-         group: dist.ProcessGroup | None = None, device: str = "cpu") -> int:
-    """Broadcast ``state_dict`` bucket by bucket from rank ``src``. Returns bytes sent."""
+         group: dist.ProcessGroup | None = None, device: str = "cpu",
+         timeout_s: float | None = None) -> int:
+    """Broadcast ``state_dict`` bucket by bucket from rank ``src``; each bucket has landed
+    (:func:`land`) before the next is built. Returns bytes sent."""
     sent = 0
     for bucket in plan:
         flat = torch.cat([state_dict[n].detach().reshape(-1).to(device, bucket.dtype)
                           for n in bucket.names])
-        _broadcast(flat, src, group)
+        land(_broadcast(flat, src, group), flat, timeout_s=timeout_s)
         sent += flat.numel() * flat.element_size()
     return sent
 
 
 def receive(plan: list[Bucket], *, src: int = 0, group: dist.ProcessGroup | None = None,
-            device: str = "cpu") -> Iterator[dict[str, torch.Tensor]]:
-    """Receive :func:`send`'s buckets; yields each as ``{name: tensor}`` (load it, or collect
-    ``dict(ChainMap)`` of all for a full state dict)."""
+            device: str = "cpu", timeout_s: float | None = None, to_host: bool = False
+            ) -> Iterator[dict[str, torch.Tensor]]:
+    """Receive :func:`send`'s buckets; yields each as ``{name: tensor}`` once it has landed
+    (:func:`land`): views into the bucket's flat buffer, on ``device``, or with ``to_host`` a
+    host copy (the device buffer is freed before the next bucket)."""
     for bucket in plan:
         flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
-        _broadcast(flat, src, group)
+        land(_broadcast(flat, src, group), flat, timeout_s=timeout_s)
+        if to_host and flat.device.type != "cpu":
+            flat = flat.to("cpu")
         parts, start = {}, 0
         for name, shape in zip(bucket.names, bucket.shapes):
             n = int(torch.Size(shape).numel())
             parts[name] = flat[start:start + n].view(shape)
             start += n
+        del flat
         yield parts
 
 
-def _broadcast(flat: torch.Tensor, src: int, group: Any) -> None:
-    """``dist.broadcast`` on the default or a registered group; on a group made outside
-    ``torch.distributed``'s registry (:class:`SyncGroups`) the group's own call."""
+def _broadcast(flat: torch.Tensor, src: int, group: Any) -> Any:
+    """Start ``dist.broadcast`` of ``flat`` on the default or a registered group, or on a group
+    made outside ``torch.distributed``'s registry (:class:`SyncGroups`) with the group's own
+    call. Returns its work (:func:`land` waits for it)."""
     if group is None or group in dist.distributed_c10d._world.pg_map:
-        dist.broadcast(flat, src=src, group=group)
-        return
+        return dist.broadcast(flat, src=src, group=group, async_op=True)
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = src, 0
-    group.broadcast([flat], opts).wait()
+    return group.broadcast([flat], opts)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -151,12 +217,49 @@ class SyncSpec:
         return "cuda" if self.backend == "nccl" else "cpu"
 
 
+NCCL_TIMEOUT_FACTOR = 4.0
+"""A sync group's own NCCL timeout is this × ``SyncSpec.timeout_s``: :func:`land` gives up and
+aborts the group first, so NCCL's watchdog never sees the timeout (module docstring)."""
+
+
+@contextlib.contextmanager
+def _nccl_keeps_process() -> Iterator[None]:
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly: abort the communicator, keep the
+    process) while a sync group is built (Ray's torch setup sets 1, TearDown, process-wide)."""
+    old = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+        else:
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = old
+
+
+def abort_group(pg: Any) -> None:
+    """Abort ``pg`` (NCCL: ``ProcessGroupNCCL.abort()``, which frees its communicators without
+    waiting for peers), or shut it down where it has no abort; a group that refuses both is
+    dropped anyway."""
+    for name in ("abort", "shutdown"):
+        call = getattr(pg, name, None)
+        if call is None:
+            continue
+        try:
+            call()
+            return
+        except Exception:  # noqa: BLE001 - a broken group may refuse; try the next way
+            continue
+
+
 class SyncGroups:
     """A member's sync groups by key (made on first use; a newer generation drops the older
     ones, whose peers may be dead)."""
 
     def __init__(self) -> None:
         self.groups: dict[str, tuple[Any, Any]] = {}
+        self.aborted = 0
+        """Groups aborted after a failed or timed-out collective."""
 
     def group(self, spec: SyncSpec) -> tuple[Any, Any]:
         """``(process group, its prefix store)`` of ``spec`` (collective on first use: every
@@ -164,26 +267,14 @@ class SyncGroups:
         for key in [k for k in self.groups if int(k.split("/", 1)[0]) < spec.generation]:
             self.drop(key)
         if spec.key not in self.groups:
-            timeout = datetime.timedelta(seconds=spec.timeout_s)
-            store = dist.PrefixStore(spec.key, dist.TCPStore(
-                spec.host, spec.port, None, False, timeout))
-            if spec.backend == "nccl":
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                pg = dist.ProcessGroupNCCL(store, spec.rank, spec.world, opts)
-            else:
-                pg = dist.ProcessGroupGloo(store, spec.rank, spec.world, timeout)
-            self.groups[spec.key] = (pg, store)
+            self.groups[spec.key] = _make_group(spec)
         return self.groups[spec.key]
 
     def drop(self, key: str) -> None:
-        """Forget group ``key`` (after a failure its peers may be gone)."""
+        """Forget group ``key`` and abort it (after a failure its peers may be gone)."""
         pg, _ = self.groups.pop(key, (None, None))
-        if pg is not None and hasattr(pg, "shutdown"):
-            try:
-                pg.shutdown()
-            except Exception:  # noqa: BLE001 - a broken group may refuse; it is dropped anyway
-                pass
+        if pg is not None:
+            abort_group(pg)
 
     def send(self, spec: SyncSpec, state_dict: Mapping[str, torch.Tensor], version: int
              ) -> int:
@@ -192,21 +283,49 @@ class SyncGroups:
         plan = bucket_plan(state_dict, bucket_mb=spec.bucket_mb)
         store.set(f"plan/{version}", pickle.dumps(plan))
         try:
-            return send(state_dict, plan, group=pg, device=spec.device)
+            return send(state_dict, plan, group=pg, device=spec.device, timeout_s=spec.timeout_s)
         except Exception:
-            self.drop(spec.key)
+            self._abort(spec.key)
             raise
 
     def receive(self, spec: SyncSpec, version: int) -> dict[str, torch.Tensor]:
-        """Rank ≥ 1: the sender's state dict of ``version``, whole (each bucket's views into
-        its flat buffer)."""
+        """Rank ≥ 1: the sender's state dict of ``version``, whole, in host memory (each
+        bucket copied off the device as it lands: module docstring)."""
         pg, store = self.group(spec)
         try:
             plan = pickle.loads(store.get(f"plan/{version}"))
             out: dict[str, torch.Tensor] = {}
-            for part in receive(plan, group=pg, device=spec.device):
+            for part in receive(plan, group=pg, device=spec.device, timeout_s=spec.timeout_s,
+                                to_host=True):
                 out.update(part)
             return out
         except Exception:
-            self.drop(spec.key)
+            self._abort(spec.key)
             raise
+
+    def _abort(self, key: str) -> None:
+        self.aborted += 1
+        self.drop(key)
+
+
+def _make_group(spec: SyncSpec) -> tuple[Any, Any]:
+    """A ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` of ``spec`` on the driver's store."""
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    store = dist.PrefixStore(spec.key, dist.TCPStore(spec.host, spec.port, None, False, timeout))
+    if spec.backend != "nccl":
+        return dist.ProcessGroupGloo(store, spec.rank, spec.world, timeout), store
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout * NCCL_TIMEOUT_FACTOR
+    with _nccl_keeps_process():
+        return dist.ProcessGroupNCCL(store, spec.rank, spec.world, opts), store
+
+
+def sync_groups(owner: Any) -> SyncGroups:
+    """``owner``'s :class:`SyncGroups`, made on first use and kept as ``owner._sync_groups``:
+    the one place an actor (a Learner, a runner, an engine actor, a sharded rank) gets its
+    sync groups."""
+    groups = getattr(owner, "_sync_groups", None)
+    if groups is None:
+        groups = SyncGroups()
+        owner._sync_groups = groups
+    return groups

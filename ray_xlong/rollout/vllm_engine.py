@@ -8,24 +8,46 @@ prefix cache, and a request is answered the step it finishes (``FINAL_ONLY`` out
 a request whose caller left is aborted. Logprobs are vLLM's raw logprobs (``logprobs=0``: the
 sampled id's own), ``num_cached_tokens`` comes from each ``RequestOutput``.
 
-Weights: ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` loads an HF
-state dict in place (HF names), then ``reset_prefix_cache()`` drops KV blocks computed with
-the old weights. Sleep (colocated cells: the Learner ranks get the GPU while the cell trains):
-on CUDA the engine is built with ``enable_sleep_mode`` and sleeps with ``llm.sleep(level=1|2)``
-(1: weights to CPU, 2: weights dropped); weights that arrive while it sleeps are kept and loaded
-at wake-up between ``wake_up(tags=["weights"])`` and ``wake_up()`` (the KV cache), so a level-2
-engine never needs its old weights. Unverified on a GPU here. On CPU (vLLM rejects sleep mode
-there) the engine is shut down and rebuilt at wake-up with the latest weights.
+Weights: one vLLM layerwise reload session per update, fed bucket by bucket —
+``collective_rpc(_begin_reload)``, then ``collective_rpc(_load_chunk, chunk)`` per chunk of at
+most ``load_bucket_mb``, then ``collective_rpc(_end_reload)`` (the lifecycle vLLM's own
+weight-transfer engines use: ``initialize_layerwise_reload`` → ``model.load_weights`` →
+``finalize_layerwise_reload``), then ``reset_prefix_cache()`` drops KV blocks computed with the
+old weights. ``LLM.collective_rpc("reload_weights", weights_iterator=...)`` would send the whole
+state dict in one message: with tensor parallelism (the ``mp`` executor) that message is
+pickled to every worker. HF names throughout.
+
+Tensor parallelism: ``tensor_parallel_size`` > 1 builds vLLM with
+``distributed_executor_backend="mp"``. Left to choose, vLLM picks its Ray executor whenever the
+process sits in a Ray placement group (``ParallelConfig.__post_init__``:
+``get_current_placement_group()``), which is always the case in a cell's engine actor; the
+multiprocessing executor spawns the workers from the actor, on the GPUs Ray gave it
+(``CUDA_VISIBLE_DEVICES``). :class:`VLLMEngineMaker` is the picklable ``make(index, tp)`` a
+cell's ``EngineLayout`` calls. The reload functions reach the workers as pickled callables
+(``collective_rpc(fn)``), which the in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+allows without ``VLLM_ALLOW_INSECURE_SERIALIZATION``.
+
+Sleep (colocated cells: the Learner ranks get the GPU while the cell trains): on CUDA the
+engine is built with ``enable_sleep_mode`` and sleeps with ``llm.sleep(level=1|2)`` (1: weights
+to CPU, 2: weights dropped); a failure to sleep is raised, never papered over by a rebuild (a
+second vLLM in the same process would not fit). Weights that arrive while it sleeps are kept
+(host memory) and loaded at wake-up between ``wake_up(tags=["weights"])`` and ``wake_up()``
+(the KV cache). A level-2 engine has no weights of its own left: waking it without new ones
+is refused (it would serve whatever the reallocated memory holds). On CUDA nothing of a loaded
+update is kept. On CPU (vLLM rejects sleep mode there) the engine is shut down and rebuilt at
+wake-up with the latest weights, which it keeps for that (host memory). The CUDA column is
+unverified here (``docs/gpu-first-run.md``).
 
 Import this module only where vLLM is installed; caches go to ``VLLM_CACHE_ROOT``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import pathlib
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -48,13 +70,81 @@ _set_num_threads = torch._C.set_num_threads
 has bound its threads, so a worker thread could not match the bound count through it."""
 
 
+def engine_args(model_dir: str | pathlib.Path, *, seed: int, dtype: str, max_model_len: int,
+                tensor_parallel_size: int, cuda: bool, gpu_memory_utilization: float
+                ) -> dict:
+    """``vllm.LLM`` keyword arguments (pure; the module docstring says why each)."""
+    args = dict(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype,
+                enable_prefix_caching=True, max_model_len=max_model_len, seed=seed,
+                enforce_eager=True,
+                # a batch of many template prompts passes vLLM's default 4096-token step
+                # budget; its chunked-prefill step then failed on CPU (engine hung, seen with
+                # 128 × 77-token ChatML prompts): prefill them whole
+                max_num_batched_tokens=max(16384, max_model_len))
+    if tensor_parallel_size > 1:     # never Ray's executor inside a cell's placement group
+        args.update(tensor_parallel_size=tensor_parallel_size,
+                    distributed_executor_backend="mp")
+    if cuda:
+        args.update(enable_sleep_mode=True, gpu_memory_utilization=gpu_memory_utilization)
+    return args
+
+
+def _chunks(state_dict: Mapping[str, torch.Tensor], limit_bytes: float
+            ) -> list[list[tuple[str, torch.Tensor]]]:
+    """``state_dict``'s ``(name, tensor)`` pairs in order, in chunks of ≤ ``limit_bytes`` (a
+    larger tensor goes alone)."""
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0.0
+    for name, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if not out or (out[-1] and size + nbytes > limit_bytes):
+            out.append([])
+            size = 0.0
+        out[-1].append((name, tensor.detach()))
+        size += nbytes
+    return out
+
+
+def _begin_reload(worker: Any) -> None:
+    """On each vLLM worker: open a layerwise reload session (vLLM's own weight-transfer
+    lifecycle, ``vllm.model_executor.model_loader.reload``)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _load_chunk(worker: Any, chunk: list[tuple[str, torch.Tensor]]) -> int:
+    """On each vLLM worker: load one chunk of HF-named tensors. Returns the names loaded."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        loaded = worker.model_runner.get_model().load_weights(chunk)
+    return len(loaded) if loaded is not None else len(chunk)
+
+
+def _end_reload(worker: Any) -> None:
+    """On each vLLM worker: finalize the session (processes the layers) and drop caches that
+    derive from the old weights, as ``GPUModelRunner.reload_weights`` does."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        getattr(runner, reset, lambda: None)()
+
+
 class VLLMEngine(BatchingEngine):
     """vLLM engine over a model directory (see module docstring)."""
 
     def __init__(self, model_dir: str | pathlib.Path, *, max_batch_size: int = 64,
                  seed: int = 0, dtype: str = "float32", max_model_len: int = 4096,
                  kv_cache_gib: int = 1, sleep_level: int = 1,
-                 gpu_memory_utilization: float = 0.4) -> None:
+                 gpu_memory_utilization: float = 0.4, tensor_parallel_size: int = 1,
+                 load_bucket_mb: float = 256.0) -> None:
         """Args:
             model_dir: a directory written by ``ray_xlong.models.build_tiny_model_dir``.
             max_batch_size: most requests generating at once (vLLM's running batch).
@@ -66,29 +156,31 @@ class VLLMEngine(BatchingEngine):
                 new weights are loaded at wake-up either way).
             gpu_memory_utilization: vLLM's share of the GPU on CUDA (weights + KV cache); the
                 rest is the colocated Learner's while the engine is awake.
+            tensor_parallel_size: GPUs of this engine (vLLM's multiprocessing executor when
+                > 1; the process must see that many CUDA devices).
+            load_bucket_mb: most MB of weights per message to vLLM's workers during an update.
         """
-        if sleep_level not in (1, 2):
-            raise ValueError(f"VLLMEngine.sleep_level must be 1 or 2, got {sleep_level!r}")
+        _check_args(sleep_level, tensor_parallel_size, load_bucket_mb)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         self.model_dir = pathlib.Path(model_dir)
-        self._args = dict(model=str(self.model_dir), skip_tokenizer_init=True, dtype=dtype,
-                          enable_prefix_caching=True, max_model_len=max_model_len, seed=seed,
-                          enforce_eager=True,
-                          # a batch of many template prompts passes vLLM's default 4096-token
-                          # step budget; its chunked-prefill step then failed on CPU (engine
-                          # hung, seen with 128 × 77-token ChatML prompts): prefill them whole
-                          max_num_batched_tokens=max(16384, max_model_len))
-        if torch.cuda.is_available():
-            self._args.update(enable_sleep_mode=True,
-                              gpu_memory_utilization=gpu_memory_utilization)
-        self.sleep_level = sleep_level
+        self._sleep_mode = torch.cuda.is_available()
+        """vLLM's sleep mode (CUDA); without it (CPU) sleep shuts the engine down."""
+        self._args = engine_args(self.model_dir, seed=seed, dtype=dtype,
+                                 max_model_len=max_model_len,
+                                 tensor_parallel_size=tensor_parallel_size,
+                                 cuda=self._sleep_mode,
+                                 gpu_memory_utilization=gpu_memory_utilization)
+        self.sleep_level, self.tensor_parallel_size = sleep_level, tensor_parallel_size
+        self.load_bucket_mb = load_bucket_mb
         self.llm = None
-        self._sleep_mode = False
         self._latest: Mapping[str, torch.Tensor] | None = None
-        """The last weights loaded (reapplied when a CPU engine is rebuilt at wake-up)."""
+        """Weights to load at wake-up (sleep mode: only those that arrived while asleep;
+        CPU: the last loaded too, for the rebuild)."""
         self._weights_pending = False
         """Whether ``_latest`` arrived while asleep and is not loaded yet."""
+        self._sleep_error: Exception | None = None
+        """vLLM's error from the last sleep (raised by :meth:`sleep`)."""
         self._in_flight: set[int] = set()
         """Keys of the requests vLLM is generating."""
         self._build()
@@ -96,6 +188,11 @@ class VLLMEngine(BatchingEngine):
         super().__init__(vocab_size=vocab, max_batch_size=max_batch_size, seed=seed)
 
     def _build(self) -> None:
+        visible = torch.cuda.device_count() if self._sleep_mode else None
+        if visible is not None and visible < self.tensor_parallel_size:
+            raise ValueError(f"VLLMEngine.tensor_parallel_size={self.tensor_parallel_size} but "
+                             f"this process sees {visible} CUDA device(s) (CUDA_VISIBLE_DEVICES="
+                             f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         from vllm import LLM
 
         self.llm = LLM(**self._args)
@@ -158,33 +255,100 @@ class VLLMEngine(BatchingEngine):
         self._in_flight = set()
 
     def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        """One layerwise reload session fed chunk by chunk (module docstring)."""
+        self.llm.collective_rpc(_begin_reload)
+        for chunk in _chunks(state_dict, self.load_bucket_mb * 1e6):
+            self.llm.collective_rpc(_load_chunk, args=(chunk,))
+        self.llm.collective_rpc(_end_reload)
         self.llm.reset_prefix_cache()
-        self._latest = state_dict
+        self._latest = None if self._sleep_mode else state_dict   # CPU: kept for the rebuild
 
     def _stash_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self._latest, self._weights_pending = state_dict, True   # loaded at wake-up
 
+    async def sleep(self) -> None:
+        """Sleep between batches (module docstring). Raises vLLM's error when its sleep
+        failed; the engine then counts as awake (nothing was rebuilt)."""
+        self._sleep_error = None
+        await super().sleep()
+        if self._sleep_error is not None:
+            error, self._sleep_error = self._sleep_error, None
+            self._asleep = False
+            raise RuntimeError(f"VLLMEngine.sleep: vLLM's sleep(level={self.sleep_level}) "
+                               f"failed: {error!r}") from error
+
     def _release(self) -> None:
-        self._weights_pending = False
-        try:
-            self.llm.sleep(level=self.sleep_level)
-            self._sleep_mode = True
+        if self._sleep_mode:
+            try:                                       # a failure goes to sleep()'s caller:
+                self.llm.sleep(level=self.sleep_level)  # never a second vLLM in this process
+            except Exception as exc:  # noqa: BLE001 - re-raised by sleep()
+                self._sleep_error = exc
             return
-        except Exception:  # noqa: BLE001 - no sleep mode on this platform: rebuild at wake
-            self._sleep_mode = False
-        self.llm = None
+        self._weights_pending = False
+        self.llm = None                                # CPU: shut down, rebuilt at wake-up
         gc.collect()
 
     def _restore(self) -> None:
-        if self._sleep_mode:
-            self.llm.wake_up(tags=["weights"])
-            if self._weights_pending and self._latest is not None:
+        if not self._sleep_mode:
+            self._build()
+            if self._latest is not None:
                 self._load_weights(self._latest)
-            self.llm.wake_up()
-            self.llm.reset_prefix_cache()
             return
-        self._build()
-        if self._latest is not None:
+        pending = self._weights_pending and self._latest is not None
+        if self.sleep_level == 2 and not pending:
+            raise RuntimeError("VLLMEngine.wake_up: the engine slept at VLLMEngine.sleep_level=2"
+                               " (weights dropped) and no new weights arrived while it slept: "
+                               "update_weights before wake_up")
+        self.llm.wake_up(tags=["weights"])
+        if pending:
             self._load_weights(self._latest)
+        self._latest, self._weights_pending = None, False
+        self.llm.wake_up()
+        self.llm.reset_prefix_cache()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VLLMEngineMaker:
+    """``make(index, tensor_parallel_size) -> VLLMEngine``: the picklable engine maker of a
+    cell's ``EngineLayout`` (``cells.engines.engine_set_factory``; with engine actors each
+    actor calls it in its own process, on the GPUs Ray gave it)."""
+
+    model_dir: str
+    """The model directory every engine loads."""
+    seed: int = 0
+    """Engine ``index`` gets seed ``seed + index``."""
+    max_batch_size: int = 64
+    """``VLLMEngine.max_batch_size``."""
+    dtype: str = "bfloat16"
+    """``VLLMEngine.dtype``."""
+    max_model_len: int = 4096
+    """``VLLMEngine.max_model_len``."""
+    sleep_level: int = 1
+    """``VLLMEngine.sleep_level``."""
+    gpu_memory_utilization: float = 0.4
+    """``VLLMEngine.gpu_memory_utilization``."""
+    load_bucket_mb: float = 256.0
+    """``VLLMEngine.load_bucket_mb``."""
+
+    def __post_init__(self) -> None:
+        _check_args(self.sleep_level, 1, self.load_bucket_mb)
+
+    def __call__(self, index: int, tensor_parallel_size: int) -> VLLMEngine:
+        return VLLMEngine(self.model_dir, max_batch_size=self.max_batch_size,
+                          seed=self.seed + index, dtype=self.dtype,
+                          max_model_len=self.max_model_len, sleep_level=self.sleep_level,
+                          gpu_memory_utilization=self.gpu_memory_utilization,
+                          tensor_parallel_size=tensor_parallel_size,
+                          load_bucket_mb=self.load_bucket_mb)
+
+
+def _check_args(sleep_level: int, tensor_parallel_size: int, load_bucket_mb: float) -> None:
+    """Field-named errors for :class:`VLLMEngine`'s arguments."""
+    if sleep_level not in (1, 2):
+        raise ValueError(f"VLLMEngine.sleep_level must be 1 or 2, got {sleep_level!r}")
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
+            or tensor_parallel_size < 1:
+        raise ValueError(f"VLLMEngine.tensor_parallel_size must be an int >= 1, "
+                         f"got {tensor_parallel_size!r}")
+    if not load_bucket_mb > 0:
+        raise ValueError(f"VLLMEngine.load_bucket_mb must be > 0, got {load_bucket_mb!r}")

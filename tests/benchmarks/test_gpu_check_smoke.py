@@ -33,3 +33,82 @@ def test_gpu_check_cpu_smoke(tmp_path, capsys):
     assert stages["elastic_2cell"]["joined_at_micro_batch"] > 0
     assert stages["elastic_2cell"]["rel_diff_vs_fsdp_step"] < 1e-5
     assert "| fsdp_step | yes |" in capsys.readouterr().out
+
+
+BLOCKER = '''
+import sys
+
+
+class _Blocked:
+    """Refuses ray and vllm: gpu_check --torch-only must run where neither is installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("ray", "vllm"):
+            raise ImportError(f"{name} is blocked for gpu_check --torch-only")
+        return None
+
+
+sys.meta_path.insert(0, _Blocked())
+'''
+
+
+@pytest.mark.benchmark
+@pytest.mark.slow          # ~1 min on the shared 2-core machine (two spawned ranks)
+def test_gpu_check_torch_only_runs_with_ray_and_vllm_blocked(tmp_path):
+    """``--device cpu --torch-only`` with ``import ray`` / ``import vllm`` refused in every
+    process (a sitecustomize on PYTHONPATH reaches the spawned ranks too): every stage passes
+    and the JSON holds each stage's findings."""
+    import os
+    import subprocess
+
+    root = SCRIPT.parents[1]
+    (tmp_path / "block").mkdir()
+    (tmp_path / "block" / "sitecustomize.py").write_text(BLOCKER)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'block'}{os.pathsep}{root}"}
+    refused = subprocess.run([sys.executable, "-c", "import ray"], env=env,
+                             capture_output=True, text=True)
+    assert refused.returncode != 0 and "blocked" in refused.stderr     # the blocker works
+    out = tmp_path / "torch_only.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--torch-only",
+                           "--json", str(out)], env=env, capture_output=True, text=True,
+                          cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    stages = result["stages"]
+    assert result["torch_only"] is True
+    assert list(stages) == ["tree_attention", "tree_scaling", "learner_rank", "two_ranks",
+                            "versions"]
+    assert all(s["ok"] for s in stages.values()), {k: s.get("error") for k, s in stages.items()}
+    assert stages["tree_attention"]["fp32_xlong_tree_dlogp"] < 1e-4
+    assert {"256_xlong_tree_s", "1024_dense_s", "1024_per_trajectory_maxdiff"} <= set(
+        stages["tree_scaling"])
+    assert stages["learner_rank"]["weights_kept"] is True
+    ranks = stages["two_ranks"]
+    assert ranks["grad_rel_diff"] < 1e-4 and ranks["stream_sync_ok"] and ranks["survived"]
+    assert ranks["groups_aborted"] == 1 and ranks["lost_peer_error"]
+    assert stages["versions"]["torch"] == torch_version()
+    assert "| two_ranks | yes |" in done.stdout
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def test_torch_only_rank_settings_match_learner_settings():
+    """``gpu_check_torch.RankSettings`` (Ray-free) carries LearnerSettings' names, defaults and
+    ``model_attention``: the torch-only LearnerRank trains what a cell's would."""
+    import dataclasses
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_check_torch import RankSettings
+
+    from ray_xlong.cells.config import LearnerSettings
+
+    theirs = {f.name: f.default for f in dataclasses.fields(LearnerSettings)}
+    for f in dataclasses.fields(RankSettings):
+        assert f.name in theirs and f.default == theirs[f.name], f.name
+    for attn in (None, "sdpa"):
+        assert RankSettings("m", attn_implementation=attn).model_attention == \
+            LearnerSettings("m", attn_implementation=attn).model_attention

@@ -291,3 +291,40 @@ def test_a_runner_killed_at_a_sync_loses_nothing(cells):
     for c, role in enumerate(act.m.role):
         if role is not Role.TRAINING:
             assert engines_hold(pool, c, want), f"cell {c}"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_sender_lost_at_a_sync_falls_back_to_the_object_store(cells):
+    """The Learner that holds the step's weights is killed just before it broadcasts: every
+    target's receive fails within ``weight_sync_timeout_s`` (its group aborted, its runner
+    alive), the targets get the weights by the object store, the sender's cell is rebuilt,
+    and no run is lost or trained twice."""
+    import ray
+
+    from ray_xlong.cells.actuator import RayActuator
+    from ray_xlong.tools.faults import audit
+
+    class KillSenderAtSync(RayActuator):
+        killed: list[int] = []
+
+        def _push_weights(self):
+            targets = [c for c, role in enumerate(self.m.role) if role is not Role.TRAINING]
+            lead = self.learners.lead
+            if targets and lead is not None and lead not in targets and not self.killed:
+                self.killed.append(lead)
+                ray.kill(self.cells[lead].learner, no_restart=True)
+            return super()._push_weights()
+
+    cfg, pool = cells
+    act, result = run(dataclasses.replace(cfg, weight_sync="broadcast",
+                                          weight_sync_timeout_s=5.0), pool, KillSenderAtSync)
+    assert KillSenderAtSync.killed, "no push had a sender apart from its targets"
+    assert act.sync.failures >= 1 and any(act.stats["broadcast_fallbacks"])
+    assert [f.kind for f in result.faults if f.cell == KillSenderAtSync.killed[0]]
+    a = audit(result, JOB)
+    assert (a.runs_lost, a.runs_trained_twice, a.steps) == (0, 0, JOB.total_steps)
+    want = final_weights(act)
+    for c, role in enumerate(act.m.role):
+        if role is not Role.TRAINING:
+            assert engines_hold(pool, c, want), f"cell {c}"

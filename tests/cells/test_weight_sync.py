@@ -1,5 +1,8 @@
 """Bucketed weight sync over a gloo group (2 processes): the receiver rebuilds the sender's
-state dict exactly; the plan caps a bucket's size and splits on dtype."""
+state dict exactly; the plan caps a bucket's size and splits on dtype. With fake groups (the
+CUDA paths forced on CPU): a bucket is read only after its stream sync, a collective that never
+completes aborts its group within the deadline, an NCCL sync group is built to keep its
+process alive."""
 
 from __future__ import annotations
 
@@ -106,3 +109,141 @@ def test_sync_groups_fail_within_the_timeout_when_a_member_is_gone():
     out, groups = _sync_members(3, absent=2, timeout_s=3.0)
     assert isinstance(out[0], Exception) and isinstance(out[1], Exception)
     assert not any(g.groups for g in groups.values())     # nothing half-made is kept
+
+
+class FakeWork:
+    """A collective's work: completes after ``polls`` ``is_completed`` calls (never: None)."""
+
+    def __init__(self, log: list, polls: int | None) -> None:
+        self.log, self.polls = log, polls
+
+    def is_completed(self) -> bool:
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self) -> bool:
+        self.log.append("wait")
+        return True
+
+
+class FakeGroup:
+    """A process group outside torch's registry: ``broadcast`` records the receive buffer,
+    which the (fake) stream sync fills, as a device stream makes NCCL's write visible only
+    once synchronised."""
+
+    def __init__(self, log: list, polls: int | None = 2) -> None:
+        self.log, self.polls, self.buffers, self.aborts = log, polls, [], 0
+
+    def broadcast(self, tensors, opts):
+        self.log.append("broadcast")
+        self.buffers.append(tensors[0])
+        return FakeWork(self.log, self.polls)
+
+    def abort(self) -> None:
+        self.aborts += 1
+
+
+class FakeStore:
+    def __init__(self, plan) -> None:
+        import pickle
+
+        self.value = pickle.dumps(plan)
+
+    def get(self, key: str) -> bytes:
+        return self.value
+
+
+def _spec(timeout_s: float = 5.0):
+    from ray_xlong.cells.weight_sync import SyncSpec
+
+    return SyncSpec("0/s0/t1", "127.0.0.1", 1, 1, 2, timeout_s=timeout_s, bucket_mb=0.003)
+
+
+def test_a_bucket_is_read_only_after_its_stream_sync(monkeypatch):
+    """CUDA's path forced on CPU: the stream sync (faked on 'cpu') is what makes the bucket's
+    values land; the receiver's state dict equals the sender's only if every bucket was
+    synchronised before it was read, and the log shows poll → wait → sync per bucket."""
+    from ray_xlong.cells import weight_sync
+    from ray_xlong.cells.weight_sync import SyncGroups
+
+    sd, log = state(), []
+    plan = bucket_plan(sd, bucket_mb=0.003)
+    flat = {i: torch.cat([sd[n].reshape(-1).to(b.dtype) for n in b.names])
+            for i, b in enumerate(plan)}
+    pg = FakeGroup(log)
+
+    def stream_sync(device):
+        log.append("sync")
+        i = len(pg.buffers) - 1
+        pg.buffers[i].copy_(flat[i])
+
+    monkeypatch.setitem(weight_sync.STREAM_SYNC, "cpu", stream_sync)
+    groups = SyncGroups()
+    groups.groups["0/s0/t1"] = (pg, FakeStore(plan))
+    got = groups.receive(_spec(), 7)
+    assert list(got) == list(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert log == ["broadcast", "wait", "sync"] * len(plan)
+
+
+def test_a_collective_that_never_completes_aborts_its_group_within_the_deadline():
+    """A peer lost mid-sync (its broadcast never completes, as NCCL's would hang): the
+    receiver raises SyncTimeout after SyncSpec.timeout_s, aborts the group (NCCL: before the
+    watchdog's own timeout would kill the process) and forgets it."""
+    import time
+
+    from ray_xlong.cells.weight_sync import SyncGroups, SyncTimeout
+
+    pg = FakeGroup([], polls=None)
+    groups = SyncGroups()
+    groups.groups["0/s0/t1"] = (pg, FakeStore(bucket_plan(state(), bucket_mb=0.003)))
+    t0 = time.monotonic()
+    with pytest.raises(SyncTimeout, match="SyncSpec.timeout_s"):
+        groups.receive(_spec(timeout_s=0.2), 7)
+    assert time.monotonic() - t0 < 5.0
+    assert pg.aborts == 1 and groups.aborted == 1 and not groups.groups
+
+
+def test_an_nccl_sync_group_keeps_its_process_and_outlives_the_deadline(monkeypatch):
+    """The NCCL group is built (ProcessGroupNCCL faked: this torch has no NCCL) with
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=2 set during construction only and an NCCL timeout of
+    NCCL_TIMEOUT_FACTOR × SyncSpec.timeout_s."""
+    import dataclasses
+    import datetime
+    import os
+    import types
+
+    import torch.distributed as dist
+
+    from ray_xlong.cells import weight_sync
+
+    seen = {}
+
+    class FakeNCCL:
+        Options = types.SimpleNamespace
+
+        def __init__(self, store, rank, world, opts) -> None:
+            seen.update(env=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+                        timeout=opts._timeout, rank=rank, world=world)
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")        # what Ray's setup sets
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5),
+                           wait_for_workers=False)
+    spec = dataclasses.replace(_spec(timeout_s=30.0), port=server.port, backend="nccl")
+    weight_sync._make_group(spec)
+    assert seen == {"env": "2", "timeout": datetime.timedelta(seconds=120), "rank": 1,
+                    "world": 2}
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+def test_sync_groups_helper_makes_one_per_owner():
+    from ray_xlong.cells.weight_sync import SyncGroups, sync_groups
+
+    class Owner:
+        pass
+
+    a, b = Owner(), Owner()
+    assert isinstance(sync_groups(a), SyncGroups)
+    assert sync_groups(a) is sync_groups(a) and sync_groups(a) is not sync_groups(b)
