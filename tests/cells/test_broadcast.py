@@ -303,7 +303,7 @@ def test_a_sender_lost_at_a_sync_falls_back_to_the_object_store(cells):
     import ray
 
     from ray_xlong.cells.actuator import RayActuator
-    from ray_xlong.tools.faults import audit
+    from benchmarks.tools.faults import audit
 
     class KillSenderAtSync(RayActuator):
         killed: list[int] = []
