@@ -70,9 +70,10 @@ def _markers(parser: Any, tokenizer: Any) -> tuple[str | None, str | None]:
     if isinstance(end, str):
         return (start if isinstance(start, str) else None), end
     ids = sorted(getattr(parser, "reasoning_end_token_ids", None) or ())
-    end = tokenizer.convert_ids_to_tokens(ids[0]) if ids else None
-    start = "<think>" if end == "</think>" else None
-    return start, end
+    texts = [tokenizer.convert_ids_to_tokens(i) for i in ids]    # e.g. </think>, <tool_call>
+    if "</think>" in texts:
+        return "<think>", "</think>"
+    return None, (texts[0] if texts else None)
 
 
 def guess_reasoning_parser(tokenizer: Any, template: str, generation_prompt: str

@@ -41,7 +41,8 @@ from ray_xlong.rollout.chat import (Action, Answer, ChatFormatError, Malformed, 
                                     ToolCalls)
 from ray_xlong.rollout.reasoning import ReasoningParser, guess_reasoning_parser
 from ray_xlong.rollout.tool_calls import (PARSERS, UNSUPPORTED_CONVENTIONS, ToolCallParser,
-                                         check_parser_matches, guess_tool_parser)
+                                         check_parser_matches, guess_tool_parser,
+                                         written_calls)
 
 SUMMARY_REQUEST = "Summarize your progress so far in a few words."
 """The user message of a compaction's summary call."""
@@ -57,8 +58,10 @@ class TemplateFormat:
     """A chat format over a HF tokenizer's ``chat_template`` (see module docstring)."""
 
     def __init__(self, tokenizer: Any, *, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, where: str = "tokenizer") -> None:
+                 reasoning_parser: str | None = None, where: str = "tokenizer",
+                 template_kwargs: dict | None = None) -> None:
         self.tokenizer, self.where = tokenizer, where
+        self.template_kwargs = dict(template_kwargs or {})
         template = getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):
             raise ChatFormatError(f"model_dir {where!r}: the tokenizer has several chat "
@@ -148,7 +151,8 @@ class TemplateFormat:
     def _render(self, messages: list[dict], tools: Sequence[dict], gen: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, tools=list(tools) or None,
-                                                      tokenize=False, add_generation_prompt=gen)
+                                                      tokenize=False, add_generation_prompt=gen,
+                                                      **self.template_kwargs)
         except Exception as exc:  # noqa: BLE001 - template errors name the directory
             raise ChatFormatError(f"model_dir {self.where!r}: the chat template failed to "
                                   f"render: {exc}") from exc
@@ -242,7 +246,12 @@ class TemplateFormat:
         msg = assistant_message(calls, text, ids=ids, reasoning=reasoning)
         full = self._render(head + [msg], tools, False)
         common = _common_prefix(gen, full)
+        if common < len(gen):              # the prompt opens more (e.g. <think>): cut at the
+            common = max(gen.rfind("\n", 0, common), gen.rfind(">", 0, common)) + 1  # token
         body = full[common:]
+        written = written_calls(self.parser.name, calls) if calls and self.parser else None
+        if written is not None and not any(c.name in body for c in calls):
+            body = f"{text}{written}{self.end_text}"      # the template drops tool calls
         if self.reasoning is not None and self.reasoning.opened and reasoning \
                 and reasoning not in body:
             body = f"{reasoning}\n{self.reasoning.end_text}\n\n" + body
@@ -250,7 +259,7 @@ class TemplateFormat:
         if not ends:
             raise ChatFormatError(f"model_dir {self.where!r}: an assistant turn renders no "
                                   f"end-of-turn token")
-        pos, token = max(ends)
+        pos, token = min(ends)
         return self.encode(body[:pos + len(token)])
 
     def cut_text(self, text: str, *, max_tokens: int) -> tuple[str, bool]:
@@ -268,14 +277,12 @@ def assistant_message(calls: Sequence[ToolCall], text: str, *, ids: Sequence[str
                       reasoning: str = "") -> dict:
     """An OpenAI-style assistant message (``ids``: the calls' ids; ``reasoning`` as
     ``reasoning_content``, the key HF chat templates read)."""
-    msg: dict = {"role": "assistant", "content": text or None}
+    msg: dict = {"role": "assistant", "content": text}
     if calls:
         msg["tool_calls"] = [{"type": "function", "function": {"name": c.name,
                                                                "arguments": c.arguments},
                               **({"id": ids[i]} if i < len(ids) else {})}
                              for i, c in enumerate(calls)]
-    elif not text:
-        msg["content"] = ""
     if reasoning:
         msg["reasoning_content"] = reasoning
     return msg

@@ -65,6 +65,16 @@ UNSUPPORTED_CONVENTIONS: tuple[tuple[str, str], ...] = (
 """Conventions a template may show that the template format refuses by name."""
 
 
+def written_calls(name: str, calls: Sequence[ToolCall]) -> str | None:
+    """The text a model writes for ``calls`` in parser ``name``'s convention, where a template
+    does not render tool calls itself (Granite 3.x renders only an assistant turn's content);
+    None: no writer for this convention."""
+    if name == "granite":
+        return "<|tool_call|>" + json.dumps([{"name": c.name, "arguments": c.arguments}
+                                             for c in calls])
+    return None
+
+
 def guess_tool_parser(template: str) -> str | None:
     """The tool parser a chat template shows (:data:`TEMPLATE_MARKERS`), or None."""
     for name, markers in TEMPLATE_MARKERS:
@@ -182,4 +192,19 @@ class ToolCallParser:
         if content is None and self.name == "llama3_json":     # vLLM drops the text before
             content = text[:text.find("{")].replace("<|python_tag|>", "")   # the JSON
         ids = tuple(str(tc.id) for tc in info.tool_calls if tc.id and f'"{tc.id}"' in text)
+        if self.name == "mistral" and len(ids) != len(calls):
+            ids = _mistral_ids(text)             # vLLM's parser makes up ids of its own
         return tuple(calls), (content or ""), (ids if len(ids) == len(calls) else ())
+
+
+def _mistral_ids(text: str) -> tuple[str, ...]:
+    """The ``id`` fields the model wrote in ``[TOOL_CALLS][{…, "id": "…"}, …]`` (empty when the
+    array does not parse or an id is missing)."""
+    try:
+        items = json.loads(text.split("[TOOL_CALLS]", 1)[1].strip())
+    except (IndexError, ValueError):
+        return ()
+    if not isinstance(items, list):
+        return ()
+    ids = tuple(item.get("id") for item in items if isinstance(item, dict))
+    return ids if ids and all(isinstance(i, str) for i in ids) else ()
