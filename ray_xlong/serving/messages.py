@@ -109,6 +109,10 @@ def normalize(messages: Iterable[Any]) -> list[dict]:
                 calls.append((fn["name"], _arguments(fn.get("arguments"),
                                                      f"{where}.tool_calls[{j}]")))
             norm["tool_calls"] = calls
+        reasoning = msg.get("reasoning_content", msg.get("reasoning")) \
+            if role == "assistant" else None
+        if isinstance(reasoning, str) and reasoning:
+            norm["reasoning_content"] = reasoning
         out.append(norm)
     return out
 
@@ -116,8 +120,9 @@ def normalize(messages: Iterable[Any]) -> list[dict]:
 def render_message(norm: dict) -> dict:
     """A normal-form message as a chat template takes it (tool-call arguments as objects)."""
     msg: dict = {"role": norm["role"], "content": norm["content"]}
-    if norm.get("tool_calls"):
-        msg["content"] = norm["content"] or None
+    if norm.get("tool_calls"):                  # content stays a string: templates such as
         msg["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}}
-                             for n, a in norm["tool_calls"]]
+                             for n, a in norm["tool_calls"]]     # Qwen3's call .lstrip() on it
+    if norm.get("reasoning_content"):
+        msg["reasoning_content"] = norm["reasoning_content"]
     return msg
