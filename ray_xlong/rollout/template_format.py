@@ -326,7 +326,7 @@ class TemplateConversation:
             reasoning, text = split
         if self.fmt.parser is None:
             return Answer(text.strip(), reasoning)
-        parsed = self.fmt.parser.parse_with_ids(text)
+        parsed = self.fmt.parser.parse_with_ids(text, self.tools)
         if isinstance(parsed, Malformed):
             return parsed
         calls, content, call_ids = parsed

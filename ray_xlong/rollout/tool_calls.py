@@ -160,18 +160,33 @@ class ToolCallParser:
             raise ChatFormatError(f"tool_parser {name!r} cannot use this tokenizer: {exc}") \
                 from exc
         self.name = name
+        self._requests: dict[str, Any] = {}
 
-    def parse(self, text: str) -> tuple[tuple[ToolCall, ...], str] | Malformed:
+    def parse(self, text: str, tools: Sequence[dict] = ()
+              ) -> tuple[tuple[ToolCall, ...], str] | Malformed:
         """``(calls, content)`` of a turn (no calls: an answer), or :class:`Malformed`."""
-        parsed = self.parse_with_ids(text)
+        parsed = self.parse_with_ids(text, tools)
         return parsed if isinstance(parsed, Malformed) else parsed[:2]
 
-    def parse_with_ids(self, text: str
+    def _request(self, tools: Sequence[dict]):
+        """A vLLM chat request carrying ``tools`` (parsers that type XML arguments by the
+        schema, ``qwen3_coder``, read them from it); cached by the tools' JSON."""
+        if not tools:
+            return None
+        key = json.dumps(list(tools), sort_keys=True)
+        if key not in self._requests:
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+            self._requests[key] = ChatCompletionRequest(
+                messages=[{"role": "user", "content": ""}], model="xlong", tools=list(tools))
+        return self._requests[key]
+
+    def parse_with_ids(self, text: str, tools: Sequence[dict] = ()
                        ) -> tuple[tuple[ToolCall, ...], str, tuple[str, ...]] | Malformed:
         """``(calls, content, ids)``: ``ids`` are the call ids the model wrote (mistral), one per
-        call, or empty when it wrote none."""
+        call, or empty when it wrote none; ``tools``: the schemas offered (argument types)."""
         try:
-            info = self._parser.extract_tool_calls(text, None)
+            info = self._parser.extract_tool_calls(text, self._request(tools))
         except Exception as exc:  # noqa: BLE001 - a parser choking on odd text: malformed
             return Malformed(f"invalid tool call ({self.name}): {exc!r}")
         if not info.tools_called:

@@ -279,7 +279,7 @@ class Endpoint:
         except ClientGone:
             return Response(status_code=499)
         turn = responses.parse_turn(self.fmt, result,
-                                    tools=bool(tools) and req.tool_choice != "none")
+                                    tools=tools if req.tool_choice != "none" else ())
         self.runs.record(run, tag, prompt.ids, result, started=started)
         run.extended += int(prompt.extends)
         run.rewrites += int(prompt.rewrite)

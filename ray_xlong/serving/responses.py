@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 import json
 import os
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -65,8 +65,9 @@ class Turn:
         return msg
 
 
-def parse_turn(fmt: TemplateFormat, result: GenerateResult, *, tools: bool) -> Turn:
-    """Split an output into text and tool calls (``tools``: the request offered tools)."""
+def parse_turn(fmt: TemplateFormat, result: GenerateResult, *, tools: Sequence[dict]) -> Turn:
+    """Split an output into reasoning, text and tool calls (``tools``: the schemas the request
+    offered, empty for none or ``tool_choice="none"``)."""
     ids = [int(t) for t in result.output_ids]
     if ids and ids[-1] in fmt.stop_token_ids:
         ids = ids[:-1]
@@ -76,7 +77,7 @@ def parse_turn(fmt: TemplateFormat, result: GenerateResult, *, tools: bool) -> T
         if not isinstance(split, Malformed):
             reasoning, text = split[0], split[1].strip()
     if tools and fmt.parser is not None and result.finish_reason == "stop":
-        parsed = fmt.parser.parse(text)
+        parsed = fmt.parser.parse(text, tools)
         if not isinstance(parsed, Malformed) and parsed[0]:
             calls = tuple((c.name, c.arguments) for c in parsed[0])
             return Turn(parsed[1].strip() if reasoning else parsed[1], calls, "tool_calls",

@@ -99,3 +99,62 @@ def family_tokenizer(name: str):
     fam = BY_NAME[name]
     return build_template_tokenizer(fam.template, fam.specials, eos=fam.eos, bos=fam.bos,
                                     pad=fam.pad, vocab_size=320 + len(fam.specials))
+
+
+QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+REAL = {"qwen3": ("qwen3", QWEN_PATTERN), "llama-3.1": ("llama3", LLAMA3_PATTERN)}
+"""Families whose real vocabulary a registry package ships (``quicktok-v1``: encoding, split
+pattern of the model's tokenizer.json)."""
+RENAMED = {"llama-3.1": {128004: "<|finetune_right_pad_id|>", 128008: "<|eom_id|>",
+                         128010: "<|python_tag|>"}}
+"""Special ids a family names differently from the shipped encoding (quicktok's ``llama3`` is
+Llama-3.0's, where these were still reserved; Llama-3.1's tokenizer.json names them)."""
+
+
+@functools.lru_cache(maxsize=None)
+def real_tokenizer(name: str):
+    """A HF tokenizer with the family's real vocabulary (ids, merges, specials), built from
+    the ``quicktok-v1`` encoding (merges recovered from the BPE ranks, as transformers'
+    TikTokenConverter does), carrying the family's verbatim template."""
+    import quicktok
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    encoding, pattern = REAL[name]
+    enc = quicktok.get_encoding(encoding)
+    names = {enc.encode_single_token(s): s for s in enc.special_tokens_set}
+    names.update(RENAMED.get(name, {}))
+    specials = [names[i] for i in sorted(names)]
+    special_ids = set(names)
+    ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.n_vocab)
+             if i not in special_ids}
+    to_str = bytes_to_unicode()
+
+    def text(b: bytes) -> str:
+        return "".join(to_str[c] for c in b)
+
+    merges = []
+    for tok, rank in ranks.items():
+        pairs = [(tok[:k], tok[k:]) for k in range(1, len(tok))
+                 if tok[:k] in ranks and tok[k:] in ranks]
+        merges += [(a, b, rank) for a, b in sorted(pairs, key=lambda p: (ranks[p[0]],
+                                                                          ranks[p[1]]))]
+    merges.sort(key=lambda m: m[2])
+    tok = Tokenizer(BPE({text(t): r for t, r in ranks.items()},
+                        [(text(a), text(b)) for a, b, _ in merges], fuse_unk=False,
+                        ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in specials])
+    fam = BY_NAME[name]
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=fam.eos, bos_token=fam.bos,
+                                  pad_token=fam.pad)
+    out.chat_template = fam.template
+    return out, enc

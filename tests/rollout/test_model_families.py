@@ -265,3 +265,41 @@ def test_every_family_has_a_recorded_source():
     for fam in FAMILIES:
         assert fam.file in sources, fam.name
     assert len(FAMILIES) >= 10
+
+
+def test_qwen3_coder_xml_arguments_are_typed_by_the_schema():
+    fmt = TemplateFormat(family_tokenizer("qwen3-coder"))
+    lookup = function_schema("lookup", "The value of a key.", {"key": {"type": "integer"}})
+    conv = fmt.start("s", "u", tools=[lookup])
+    out = fmt.turn_ids(calls=[ToolCall("lookup", {"key": 3})])
+    assert "<parameter=key>\n3\n</parameter>" in fmt.decode(out)
+    assert conv.parse(out) == ToolCalls((ToolCall("lookup", {"key": 3}),), "")   # 3, not "3"
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama-3.1"])
+def real(request):
+    from tests.rollout.families import real_tokenizer
+
+    tok, enc = real_tokenizer(request.param)
+    return BY_NAME[request.param], TemplateFormat(tok), enc
+
+
+@pytest.mark.slow
+def test_real_vocabulary_tool_loop_follow_up_and_harness(real):
+    """The same checks with the family's real vocabulary (``quicktok-v1``): real ids for the
+    specials, real merges (encodings equal the reference encoder's)."""
+    fam, fmt, enc = real
+    assert len(fmt.tokenizer) == enc.n_vocab and enc.n_vocab > 128_000
+    for text in ("What is key 3?", 'def f(x):\n    return {"a": 1}  # ünïcödé 12345'):
+        assert fmt.encode(text).tolist() == enc.encode(text, allowed_special="all")
+    assert fmt.tokenizer.convert_tokens_to_ids(fam.specials[1]) in range(128_000, enc.n_vocab)
+    assert fmt.end_id == {"qwen3": 151645, "llama-3.1": 128009}[fam.name]
+    assert fmt.parser.name == fam.tool_parser
+    conv, ctx, outputs = drive(fmt, turns=2)
+    assert conv.rewrites == 0 and render(fmt, conv)[:len(ctx)] == ctx
+    assert outputs[-1] == Answer("47", outputs[-1].reasoning)
+    conv._pending = [{"role": "user", "content": "And now?"}]
+    assert "And now?" in fmt.decode(conv.delta())
+    assert conv.rewrites == int(fam.name == "qwen3")
+    result, env = run(fmt, notes=2)
+    assert result.run.status == "finished" and env.answer == "47"
