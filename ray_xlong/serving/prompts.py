@@ -97,13 +97,13 @@ def build_prompt(fmt: TemplateFormat, previous: AgentContext | None, messages: l
 
 
 def _same(kept: Sequence[dict], sent: Sequence[dict]) -> bool:
-    """The messages match, an assistant's ``reasoning_content`` aside when the client dropped
-    it (the reasoning is in the context ids)."""
+    """The messages match, an assistant's ``reasoning_content`` and call ids aside when the
+    client dropped them (the reasoning is in the context ids; the ids are ours)."""
     if len(kept) != len(sent):
         return False
     for a, b in zip(kept, sent):
-        if "reasoning_content" in a and "reasoning_content" not in b:
-            a = {k: v for k, v in a.items() if k != "reasoning_content"}
-        if a != b:
+        a = {k: v for k, v in a.items()
+             if k != "tool_call_ids" and (k != "reasoning_content" or k in b)}
+        if a != {k: v for k, v in b.items() if k != "tool_call_ids"}:
             return False
     return True

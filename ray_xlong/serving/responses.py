@@ -54,12 +54,15 @@ class Turn:
     """``tool_calls`` | ``stop`` | ``length``."""
     reasoning: str = ""
     """The turn's reasoning (empty for models without; never part of ``content``)."""
+    ids: tuple[str, ...] = ()
+    """The calls' ids as returned: the model's own (Mistral), else fresh ones."""
 
     def normal_form(self) -> dict:
         """The assistant message in ``messages.normalize`` form."""
         msg: dict = {"role": "assistant", "content": self.content}
         if self.calls:
             msg["tool_calls"] = list(self.calls)
+            msg["tool_call_ids"] = list(self.ids)
         if self.reasoning:
             msg["reasoning_content"] = self.reasoning
         return msg
@@ -77,11 +80,12 @@ def parse_turn(fmt: TemplateFormat, result: GenerateResult, *, tools: Sequence[d
         if not isinstance(split, Malformed):
             reasoning, text = split[0], split[1].strip()
     if tools and fmt.parser is not None and result.finish_reason == "stop":
-        parsed = fmt.parser.parse(text, tools)
+        parsed = fmt.parser.parse_with_ids(text, tools)
         if not isinstance(parsed, Malformed) and parsed[0]:
             calls = tuple((c.name, c.arguments) for c in parsed[0])
+            ids = parsed[2] or tuple(_new_id("call") for _ in calls)
             return Turn(parsed[1].strip() if reasoning else parsed[1], calls, "tool_calls",
-                        reasoning)
+                        reasoning, ids)
     return Turn(text, (), result.finish_reason, reasoning)
 
 
@@ -101,9 +105,9 @@ def _logprobs(fmt: TemplateFormat, result: GenerateResult) -> ChatCompletionLogP
 
 
 def _tool_calls(turn: Turn) -> list[ToolCall]:
-    return [ToolCall(id=_new_id("call"),
+    return [ToolCall(id=turn.ids[i] if i < len(turn.ids) else _new_id("call"),
                      function=FunctionCall(name=name, arguments=json.dumps(args)))
-            for name, args in turn.calls]
+            for i, (name, args) in enumerate(turn.calls)]
 
 
 def chat_response(fmt: TemplateFormat, *, model: str, prompt_ids: np.ndarray,

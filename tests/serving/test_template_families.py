@@ -25,7 +25,8 @@ TOOLS = [{"type": "function", "function": {
     "name": "note", "description": "Write a note.",
     "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
                    "required": ["text"]}}}]
-FAMILIES = ("qwen3", "qwen2.5", "hermes-3", "llama-3.1", "granite-3.3", "qwen3-coder")
+FAMILIES = ("qwen3", "qwen2.5", "hermes-3", "llama-3.1", "granite-3.3", "qwen3-coder",
+            "mistral-nemo")
 
 
 def policy(fmt):
@@ -88,6 +89,9 @@ def test_tool_loop_follow_up_reasoning_one_trajectory(family, tmp_path):
     for prev, nxt in zip(replies, replies[1:]):                   # each request extends
         seq = prev.prompt_token_ids + prev.choices[0].token_ids
         assert nxt.prompt_token_ids[:len(seq)] == seq
+    if name == "mistral-nemo":                  # the model's own 9-character call ids
+        calls = [r.choices[0].message.tool_calls for r in replies]
+        assert [c[0].id for c in calls if c] == ["call00001", "call00001"]
     rec = read_recording(end_run(ep.url, f"r-{name}").text, tmp_path)
     batch = TrajectoryProcessor(ProcessorConfig(pack="none")).process([rec])
     assert [t.kind for t in batch.trajectories] == ["main"]
