@@ -174,6 +174,8 @@ def load_chat_format(model_dir: str | pathlib.Path, *, format: str | None = None
             None: ``xlong_chat.json``, else guessed from the template.
         reasoning_parser: vLLM reasoning parser name (``qwen3``, ``deepseek_r1``, ...; ``none``
             for no reasoning); None: ``xlong_chat.json``, else guessed from the template.
+            (``xlong_chat.json`` may also name one of several chat templates:
+            ``template_name``; default ``tool_use``, else ``default``.)
 
     Raises:
         ChatFormatError: no chat template and no format given (names the directory), a
@@ -192,7 +194,7 @@ def load_chat_format(model_dir: str | pathlib.Path, *, format: str | None = None
     return format_for_tokenizer(tokenizer, format=format or conf.get("format"),
                                 tool_parser=tool_parser or conf.get("tool_parser"),
                                 reasoning_parser=reasoning_parser or conf.get("reasoning_parser"),
-                                where=str(path))
+                                template_name=conf.get("template_name"), where=str(path))
 
 
 def check_vocab(path: pathlib.Path, tokenizer: Any) -> None:
@@ -211,7 +213,8 @@ def check_vocab(path: pathlib.Path, tokenizer: Any) -> None:
 
 def format_for_tokenizer(tokenizer: Any, *, format: str | None = None,
                          tool_parser: str | None = None, reasoning_parser: str | None = None,
-                         where: str = "tokenizer") -> ChatFormat:
+                         template_name: str | None = None, where: str = "tokenizer"
+                         ) -> ChatFormat:
     """The chat format of a loaded tokenizer (see :func:`load_chat_format`)."""
     path = where
     if format is None:
@@ -232,6 +235,7 @@ def format_for_tokenizer(tokenizer: Any, *, format: str | None = None,
         from ray_xlong.rollout.template_format import TemplateFormat
 
         return TemplateFormat(tokenizer, tool_parser=tool_parser,
-                              reasoning_parser=reasoning_parser, where=path)
+                              reasoning_parser=reasoning_parser, template_name=template_name,
+                              where=path)
     raise ChatFormatError(f"model_dir {path!r}: format must be 'token' or 'template', "
                           f"got {format!r}")

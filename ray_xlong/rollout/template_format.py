@@ -59,14 +59,12 @@ class TemplateFormat:
 
     def __init__(self, tokenizer: Any, *, tool_parser: str | None = None,
                  reasoning_parser: str | None = None, where: str = "tokenizer",
-                 template_kwargs: dict | None = None) -> None:
+                 template_kwargs: dict | None = None, template_name: str | None = None
+                 ) -> None:
         self.tokenizer, self.where = tokenizer, where
         self.template_kwargs = dict(template_kwargs or {})
-        template = getattr(tokenizer, "chat_template", None)
-        if isinstance(template, dict):
-            raise ChatFormatError(f"model_dir {where!r}: the tokenizer has several chat "
-                                  f"templates {sorted(template)}; choose one by name "
-                                  f"(tokenizer.chat_template = tokenizer.chat_template[name])")
+        template = _choose_template(getattr(tokenizer, "chat_template", None), template_name,
+                                    where)
         if not template:
             raise ChatFormatError(f"model_dir {where!r}: the tokenizer has no chat_template "
                                   f"(template format); add one or use format='token'")
@@ -152,6 +150,7 @@ class TemplateFormat:
         try:
             return self.tokenizer.apply_chat_template(messages, tools=list(tools) or None,
                                                       tokenize=False, add_generation_prompt=gen,
+                                                      chat_template=self.template,
                                                       **self.template_kwargs)
         except Exception as exc:  # noqa: BLE001 - template errors name the directory
             raise ChatFormatError(f"model_dir {self.where!r}: the chat template failed to "
@@ -286,6 +285,22 @@ def assistant_message(calls: Sequence[ToolCall], text: str, *, ids: Sequence[str
     if reasoning:
         msg["reasoning_content"] = reasoning
     return msg
+
+
+def _choose_template(template: Any, name: str | None, where: str) -> str | None:
+    """The template text: a tokenizer's several named templates (``{"default": …,
+    "tool_use": …}``) give ``name``, else ``tool_use`` (agent runs offer tools), else
+    ``default``."""
+    if not isinstance(template, dict):
+        if name is not None:
+            raise ChatFormatError(f"model_dir {where!r}: template_name {name!r} given but the "
+                                  f"tokenizer has a single chat template")
+        return template
+    for choice in ((name,) if name is not None else ("tool_use", "default")):
+        if choice in template:
+            return template[choice]
+    raise ChatFormatError(f"model_dir {where!r}: the tokenizer's chat templates are "
+                          f"{sorted(template)}; choose one with template_name=")
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -303,3 +303,21 @@ def test_real_vocabulary_tool_loop_follow_up_and_harness(real):
     assert conv.rewrites == int(fam.name == "qwen3")
     result, env = run(fmt, notes=2)
     assert result.run.status == "finished" and env.answer == "47"
+
+
+def test_named_templates_tool_use_chosen_and_probed_with_tools():
+    """Hermes-3 ships ``{"default": …, "tool_use": …}``: agent runs take ``tool_use``, which
+    renders only with tools (probed with one)."""
+    from ray_xlong.models.templates import CHATML_TEMPLATE
+
+    tok = family_tokenizer("hermes-3")
+    tool_use = tok.chat_template
+    try:
+        tok.chat_template = {"default": CHATML_TEMPLATE, "tool_use": tool_use}
+        fmt = TemplateFormat(tok)
+        assert fmt.template == tool_use and fmt.needs_tools
+        assert TemplateFormat(tok, template_name="default").template == CHATML_TEMPLATE
+        with pytest.raises(ChatFormatError, match="template_name="):
+            TemplateFormat(tok, template_name="rag")
+    finally:
+        tok.chat_template = tool_use
