@@ -227,9 +227,13 @@ class TemplateFormat:
     def start(self, system: str, user: str, *, tools: Sequence[dict]
               ) -> "TemplateConversation":
         if tools and (not self.renders_tools or self.parser is None):
+            shown = (f"; it renders tool calls ({self.parser.name}) but expects the tool "
+                     f"descriptions written into the system prompt by hand, which the "
+                     f"template format does not do") if self.parser is not None else ""
             raise ChatFormatError(f"model_dir {self.where!r}: the chat template ignores tools= "
-                                  f"(it cannot render tool schemas, so the model was never "
-                                  f"taught to call them); use the model's tool-use template")
+                                  f"(it cannot render tool schemas){shown}; tasks with tools "
+                                  f"need a template that renders them (the model's tool-use "
+                                  f"template where it ships one)")
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         text = self._render(messages, tools, True)
         return TemplateConversation(self, messages, list(tools), self.encode(text), text)

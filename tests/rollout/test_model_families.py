@@ -321,3 +321,15 @@ def test_named_templates_tool_use_chosen_and_probed_with_tools():
             TemplateFormat(tok, template_name="rag")
     finally:
         tok.chat_template = tool_use
+
+
+def test_deepseek_v31_calls_parse_but_tool_runs_are_refused_by_name():
+    fmt = TemplateFormat(family_tokenizer("deepseek-v3.1"))
+    assert fmt.parser.name == "deepseek_v31"
+    with pytest.raises(ChatFormatError, match="renders tool calls \\(deepseek_v31\\)"):
+        fmt.start("s", "u", tools=TOOLS)
+    conv = fmt.start("s", "u", tools=[])
+    two = (ToolCall("note", {"text": "x"}), ToolCall("note", {"text": "y"}))
+    out = fmt.turn_ids(calls=two)
+    assert fmt.decode(out).startswith("<\uff5ctool\u2581calls\u2581begin\uff5c>")
+    assert conv.parse(out) == ToolCalls(two, "")
