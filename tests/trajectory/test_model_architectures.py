@@ -117,7 +117,8 @@ def test_xlong_tree_sliding_windows_equal_the_dense_tree_mask(name, window, batc
         assert (x - plain_reference(dense, flat)).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("name", ["mistral-sliding", "gemma2-softcap-sliding"])
+@pytest.mark.parametrize("name", ["mistral-sliding",
+                                  pytest.param("gemma2-softcap-sliding", marks=pytest.mark.slow)])
 def test_xlong_tree_window_gradients_equal_plain_sequence_gradients(name, batches):
     tree, flat = batches
     fast, dense = _xlong_and_dense(name)
