@@ -105,3 +105,41 @@ def build_tokenizer(*, vocab_size: int = 512, extra_texts: Sequence[str] = (),
                                   eos_token=spec["eos"], pad_token=spec["pad"])
     out.chat_template = spec["template"]
     return out
+
+
+def build_template_tokenizer(template: str, specials: Sequence[str], *, eos: str,
+                             bos: str | None = None, pad: str | None = None,
+                             vocab_size: int = 400, extra_texts: Sequence[str] = ()):
+    """A small byte-level BPE tokenizer carrying a model's own chat template and special
+    tokens (ids ``0..len(specials)-1``, in order), for testing a real template without its
+    vocabulary (deterministic; trained on the template text and the template corpus).
+
+    Args:
+        template: the chat template (Jinja), verbatim.
+        specials: the model's special tokens the template uses (end-of-turn included).
+        eos, bos, pad: the tokenizer's eos / bos / pad tokens (each one of ``specials``).
+        vocab_size: target vocabulary size (``>= 256 + len(specials)``).
+        extra_texts: more training text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    for name, token in (("eos", eos), ("bos", bos), ("pad", pad)):
+        if token is not None and token not in specials:
+            raise ValueError(f"build_template_tokenizer: {name} {token!r} is not one of "
+                             f"specials")
+    floor = 256 + len(specials)
+    if not is_int(vocab_size) or vocab_size < floor:
+        raise ValueError(f"build_template_tokenizer: vocab_size must be an int >= {floor}, "
+                         f"got {vocab_size!r}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False, min_frequency=1)
+    tok.train_from_iterator([template, *_TEMPLATE_CORPUS, *extra_texts], trainer=trainer)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
+                                  pad_token=pad)
+    out.chat_template = template
+    return out

@@ -18,10 +18,11 @@ Two formats:
   tool's schema.
 * ``template`` (``template_format.py``, :class:`TemplateFormat`): any HF tokenizer with a
   ``chat_template``; tool calls in the model's convention, parsed by vLLM's tool parsers
-  (``tool_calls.py``: ``hermes`` / ``llama3_json``). Token-exact by construction: model ids are
-  never re-encoded; only environment messages are rendered, as the delta the template adds to
-  the conversation; where a template rewrites history the context keeps what the model saw and
-  ``Conversation.rewrites`` counts it.
+  (``tool_calls.py``: ``hermes``, ``llama3_json``, ``mistral``, ``granite``, ``deepseek_v31``,
+  ``qwen3_coder``), reasoning split off by vLLM's reasoning parsers (``reasoning.py``).
+  Token-exact by construction: model ids are never re-encoded; only environment messages are
+  rendered, as the delta the template adds to the conversation; where a template rewrites
+  history the context keeps what the model saw and ``Conversation.rewrites`` counts it.
 
 :func:`load_chat_format` picks the format of a model directory (``xlong_chat.json``, else the
 tokenizer: a chat template → template format; the token format's specials → token format; else
@@ -56,6 +57,10 @@ class ToolCalls:
     """The calls, in the order the model wrote them."""
     content: str = ""
     """Text before the calls (may be empty)."""
+    reasoning: str = ""
+    """The turn's reasoning (``reasoning.py``; empty for models without)."""
+    ids: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    """Call ids the model wrote (Mistral's 9-character ids), one per call; empty: none."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,7 +68,9 @@ class Answer:
     """The model gave its final answer."""
 
     text: str
-    """The answer text (stripped)."""
+    """The answer text (stripped; reasoning excluded)."""
+    reasoning: str = ""
+    """The turn's reasoning (``reasoning.py``; empty for models without)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -154,7 +161,8 @@ def demonstration_ids(fmt: ChatFormat, *, system: str, user: str, tools: Sequenc
 
 
 def load_chat_format(model_dir: str | pathlib.Path, *, format: str | None = None,
-                     tool_parser: str | None = None) -> ChatFormat:
+                     tool_parser: str | None = None,
+                     reasoning_parser: str | None = None) -> ChatFormat:
     """The chat format of a model directory.
 
     Args:
@@ -162,8 +170,12 @@ def load_chat_format(model_dir: str | pathlib.Path, *, format: str | None = None
         format: ``token`` | ``template`` | None (``xlong_chat.json`` in the directory, else
             ``template`` when the tokenizer has a chat template, else ``token`` when it has the
             token format's special tokens).
-        tool_parser: vLLM tool parser name for the template format (``hermes`` |
-            ``llama3_json``); None: ``xlong_chat.json``, else guessed from the template.
+        tool_parser: vLLM tool parser name for the template format (``tool_calls.PARSERS``);
+            None: ``xlong_chat.json``, else guessed from the template.
+        reasoning_parser: vLLM reasoning parser name (``qwen3``, ``deepseek_r1``, ...; ``none``
+            for no reasoning); None: ``xlong_chat.json``, else guessed from the template.
+            (``xlong_chat.json`` may also name one of several chat templates:
+            ``template_name``; default ``tool_use``, else ``default``.)
 
     Raises:
         ChatFormatError: no chat template and no format given (names the directory), a
@@ -181,7 +193,8 @@ def load_chat_format(model_dir: str | pathlib.Path, *, format: str | None = None
     check_vocab(path, tokenizer)
     return format_for_tokenizer(tokenizer, format=format or conf.get("format"),
                                 tool_parser=tool_parser or conf.get("tool_parser"),
-                                where=str(path))
+                                reasoning_parser=reasoning_parser or conf.get("reasoning_parser"),
+                                template_name=conf.get("template_name"), where=str(path))
 
 
 def check_vocab(path: pathlib.Path, tokenizer: Any) -> None:
@@ -199,7 +212,8 @@ def check_vocab(path: pathlib.Path, tokenizer: Any) -> None:
 
 
 def format_for_tokenizer(tokenizer: Any, *, format: str | None = None,
-                         tool_parser: str | None = None, where: str = "tokenizer"
+                         tool_parser: str | None = None, reasoning_parser: str | None = None,
+                         template_name: str | None = None, where: str = "tokenizer"
                          ) -> ChatFormat:
     """The chat format of a loaded tokenizer (see :func:`load_chat_format`)."""
     path = where
@@ -220,6 +234,8 @@ def format_for_tokenizer(tokenizer: Any, *, format: str | None = None,
     if format == "template":
         from ray_xlong.rollout.template_format import TemplateFormat
 
-        return TemplateFormat(tokenizer, tool_parser=tool_parser, where=path)
+        return TemplateFormat(tokenizer, tool_parser=tool_parser,
+                              reasoning_parser=reasoning_parser, template_name=template_name,
+                              where=path)
     raise ChatFormatError(f"model_dir {path!r}: format must be 'token' or 'template', "
                           f"got {format!r}")

@@ -37,6 +37,8 @@ Hard inputs (each a recorded outcome, never a hang, a crash of ``run_many`` or a
 * engine raises or returns a malformed result (logprob count, NaN, negative id): retried up to
   ``max_engine_retries`` times, then ``failed`` / ``engine_error`` with the error; a
   ``ValueError`` (a request the engine rejects) fails at once;
+* a turn the chat template refuses to render (e.g. two calls where it allows one): malformed,
+  with the template's reason; any other template refusal: ``failed`` / ``chat_format``;
 * ``reset`` / ``submit`` raise: ``failed`` / ``task_failure``; ``score`` raises, hangs past
   ``score_timeout_s`` or is not finite: ``failed`` / ``score_error``.
 
@@ -57,8 +59,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ray_xlong.rollout.chat import (Answer, ChatFormat, Conversation, Malformed, ToolCall,
-                                    ToolCalls)
+from ray_xlong.rollout.chat import (Answer, ChatFormat, ChatFormatError, Conversation,
+                                    Malformed, ToolCall, ToolCalls)
 from ray_xlong.rollout.context import Context, ContextFull
 from ray_xlong.rollout.engine import Engine, EngineError, GenerateResult, SamplingConfig
 from ray_xlong.rollout.limits import bounded, call_tool, in_thread
@@ -149,6 +151,8 @@ class Harness:
             status, reason = "timeout", "context_full"
         except TaskFailure as exc:
             status, reason, error = "failed", "task_failure", repr(exc)
+        except ChatFormatError as exc:              # the chat template refused a render
+            status, reason, error = "failed", "chat_format", str(exc)
         reward = 0.0
         if status != "failed":
             try:

@@ -75,7 +75,8 @@ class RunInfo:
 
     stop_reason: str
     """``answer`` | ``wall_clock`` | ``token_budget`` | ``call_budget`` | ``context_full`` |
-    ``engine_error`` | ``task_failure`` | ``score_error``."""
+    ``engine_error`` | ``task_failure`` | ``score_error`` | ``chat_format`` (the chat template
+    refused to render the conversation)."""
     retries: int
     """Malformed outputs retried."""
     engine_retries: int

@@ -94,8 +94,11 @@ class Endpoint:
     """Serves runs on one engine (see module docstring)."""
 
     def __init__(self, engine: Engine, *, tokenizer: Any, fmt: TemplateFormat | None,
-                 config: EndpointConfig = EndpointConfig()) -> None:
+                 config: EndpointConfig = EndpointConfig(),
+                 chat_error: str | None = None) -> None:
+        """``chat_error``: why the model cannot chat (``fmt`` None), shown to chat requests."""
         self.engine, self.tokenizer, self.fmt, self.config = engine, tokenizer, fmt, config
+        self.chat_error = chat_error or "this model has no chat template"
         self.runs = RunRegistry(limits=config.limits)
         self.url = ""
         """The public base URL (set by the server once bound)."""
@@ -261,7 +264,7 @@ class Endpoint:
         body = await _json(request)
         run, tag, req = self._prepare(run_id, request, ChatCompletionRequest, body)
         if self.fmt is None:
-            raise HTTPError(400, "this model has no chat template: use completions")
+            raise HTTPError(400, f"this model cannot chat: {self.chat_error}; use completions")
         tools = tuple(t.model_dump(mode="json", exclude_none=True) for t in req.tools or ())
         try:
             messages = normalize(body["messages"])     # as sent: the schema passed (above)
@@ -276,7 +279,7 @@ class Endpoint:
         except ClientGone:
             return Response(status_code=499)
         turn = responses.parse_turn(self.fmt, result,
-                                    tools=bool(tools) and req.tool_choice != "none")
+                                    tools=tools if req.tool_choice != "none" else ())
         self.runs.record(run, tag, prompt.ids, result, started=started)
         run.extended += int(prompt.extends)
         run.rewrites += int(prompt.rewrite)

@@ -38,14 +38,15 @@ async def attach(engine: Any, model_dir: str, *, host: str = "127.0.0.1", port: 
 
     path = pathlib.Path(model_dir)
     try:
-        fmt = load_chat_format(path)
-    except ChatFormatError:
-        fmt = None
+        fmt, chat_error = load_chat_format(path), None
+    except ChatFormatError as exc:                   # completions only; chat says why
+        fmt, chat_error = None, str(exc)
     conf = json.loads((path / "config.json").read_text())
     config = EndpointConfig(model_name=path.name,
                             max_model_len=int(conf.get("max_position_embeddings", 4096)))
     endpoint = Endpoint(engine, tokenizer=load_tokenizer(path),
-                        fmt=fmt if isinstance(fmt, TemplateFormat) else None, config=config)
+                        fmt=fmt if isinstance(fmt, TemplateFormat) else None, config=config,
+                    chat_error=chat_error)
     return endpoint, await start_server(endpoint, host=host, port=port)
 
 

@@ -10,8 +10,9 @@ renders and drops what it does not::
         -> {"role": "assistant", "content": "", "tool_calls": [("lookup", {"key": 3})]}
 
 (content parts joined to text, ``null`` content as ``""``, tool-call arguments parsed from their
-JSON string, call ids dropped). :func:`render_message` gives the form a HF chat template takes
-(arguments as a dict). :func:`parse_agent_header` reads ``X-Xlong-Agent``.
+JSON string; call ids kept aside as ``tool_call_ids`` / ``tool_call_id``, which templates such
+as Mistral's render but the comparison ignores; an assistant's ``reasoning_content`` kept).
+:func:`render_message` gives the form a HF chat template takes (arguments as a dict). :func:`parse_agent_header` reads ``X-Xlong-Agent``.
 """
 
 from __future__ import annotations
@@ -109,6 +110,15 @@ def normalize(messages: Iterable[Any]) -> list[dict]:
                 calls.append((fn["name"], _arguments(fn.get("arguments"),
                                                      f"{where}.tool_calls[{j}]")))
             norm["tool_calls"] = calls
+            ids = [c.get("id") for c in msg["tool_calls"] if isinstance(c, dict)]
+            if ids and all(isinstance(i, str) and i for i in ids):
+                norm["tool_call_ids"] = ids
+        if role == "tool" and isinstance(msg.get("tool_call_id"), str):
+            norm["tool_call_id"] = msg["tool_call_id"]
+        reasoning = msg.get("reasoning_content", msg.get("reasoning")) \
+            if role == "assistant" else None
+        if isinstance(reasoning, str) and reasoning:
+            norm["reasoning_content"] = reasoning
         out.append(norm)
     return out
 
@@ -116,8 +126,13 @@ def normalize(messages: Iterable[Any]) -> list[dict]:
 def render_message(norm: dict) -> dict:
     """A normal-form message as a chat template takes it (tool-call arguments as objects)."""
     msg: dict = {"role": norm["role"], "content": norm["content"]}
-    if norm.get("tool_calls"):
-        msg["content"] = norm["content"] or None
-        msg["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}}
-                             for n, a in norm["tool_calls"]]
+    if norm.get("tool_calls"):                  # content stays a string: templates such as
+        ids = norm.get("tool_call_ids") or []   # Qwen3's call .lstrip() on it
+        msg["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a},
+                              **({"id": ids[i]} if i < len(ids) else {})}
+                             for i, (n, a) in enumerate(norm["tool_calls"])]
+    if norm.get("tool_call_id"):                # Mistral's templates require the ids
+        msg["tool_call_id"] = norm["tool_call_id"]
+    if norm.get("reasoning_content"):
+        msg["reasoning_content"] = norm["reasoning_content"]
     return msg

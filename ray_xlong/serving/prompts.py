@@ -6,13 +6,16 @@ returned + new messages (tools unchanged). Then, and only then::
 
     prompt = previous prompt ids ++ previous output ids (exactly as sampled)
              ++ encode(delta of the new messages)          (TemplateFormat.delta_text: what the
-                                                            template appends after the last turn)
+                                                            template appends to what the model saw)
 
 so no history is re-rendered and no model output re-tokenized, and the run's calls chain into
 one trajectory. Anything else (an edited or compacted history, other tools, a first request)
 renders the whole conversation afresh with the tokenizer's chat template; the prefix tree
-branches there. Where the template rewrites history the delta is taken against a fixed exchange
-(``stable_delta_text``) and :attr:`Prompt.rewrite` says so.
+branches there. Where the template's render does not start with what the model saw (it rewrites
+history: Qwen3 drops an earlier think block once a user turn follows) the delta is what the
+template renders after the last assistant turn (``TemplateFormat.delta_after_last_turn``) and
+:attr:`Prompt.rewrite` says so. An assistant message echoed back without its
+``reasoning_content`` still extends (the reasoning is in the context ids already).
 """
 
 from __future__ import annotations
@@ -79,17 +82,28 @@ def build_prompt(fmt: TemplateFormat, previous: AgentContext | None, messages: l
     if previous is not None and tuple(tools) == previous.tools:
         n = len(previous.messages)
         new = messages[n:]
-        if len(messages) > n and list(previous.messages) == messages[:n] \
+        if len(messages) > n and _same(previous.messages, messages[:n]) \
                 and all(m["role"] != "assistant" for m in new):
             before = [render_message(m) for m in previous.messages]
             after = [render_message(m) for m in new]
-            text = fmt.delta_text(before, after, list(tools))
-            rewrite = text is None
-            if rewrite:
-                text = fmt.stable_delta_text(after, list(tools))
+            seen = fmt.decode(previous.context_ids) + (fmt.end_text if previous.open else "")
+            text, rewrite = fmt.delta_text(before, after, list(tools), seen)
             delta = fmt.encode(text)
             if previous.open:
                 delta = np.concatenate([[fmt.end_id], delta])
             ids = np.concatenate([previous.context_ids, delta]).astype(np.int64)
             return Prompt(ids, True, rewrite)
     return Prompt(render_ids(fmt, messages, tools), False)
+
+
+def _same(kept: Sequence[dict], sent: Sequence[dict]) -> bool:
+    """The messages match, an assistant's ``reasoning_content`` and call ids aside when the
+    client dropped them (the reasoning is in the context ids; the ids are ours)."""
+    if len(kept) != len(sent):
+        return False
+    for a, b in zip(kept, sent):
+        a = {k: v for k, v in a.items()
+             if k != "tool_call_ids" and (k != "reasoning_content" or k in b)}
+        if a != {k: v for k, v in b.items() if k != "tool_call_ids"}:
+            return False
+    return True

@@ -2,7 +2,9 @@
 
 One chat result becomes a ``ChatCompletionResponse`` (or its ``chat.completion.chunk`` stream);
 ``return_token_ids`` adds the prompt ids as ``prompt_token_ids`` and each choice's output ids
-as ``token_ids`` (vLLM's names). Tool calls are parsed by the format's vLLM tool parser; a turn
+as ``token_ids`` (vLLM's names). Reasoning is split off by the format's vLLM reasoning parser
+and returned as ``reasoning_content`` (and vLLM's own ``reasoning``), never in ``content``; tool
+calls are parsed by the format's vLLM tool parser from the text after the reasoning; a turn
 that fails to parse is returned as text (the agent sees what the model wrote). A stream carries
 the whole result: role, then text + ``token_ids`` + logprobs, then tool calls, then the finish
 reason (+ usage when ``stream_options.include_usage``), then ``[DONE]``.
@@ -14,7 +16,7 @@ import dataclasses
 import itertools
 import json
 import os
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -50,27 +52,41 @@ class Turn:
     """``(name, arguments)`` per tool call."""
     finish_reason: str
     """``tool_calls`` | ``stop`` | ``length``."""
+    reasoning: str = ""
+    """The turn's reasoning (empty for models without; never part of ``content``)."""
+    ids: tuple[str, ...] = ()
+    """The calls' ids as returned: the model's own (Mistral), else fresh ones."""
 
     def normal_form(self) -> dict:
         """The assistant message in ``messages.normalize`` form."""
         msg: dict = {"role": "assistant", "content": self.content}
         if self.calls:
             msg["tool_calls"] = list(self.calls)
+            msg["tool_call_ids"] = list(self.ids)
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
         return msg
 
 
-def parse_turn(fmt: TemplateFormat, result: GenerateResult, *, tools: bool) -> Turn:
-    """Split an output into text and tool calls (``tools``: the request offered tools)."""
+def parse_turn(fmt: TemplateFormat, result: GenerateResult, *, tools: Sequence[dict]) -> Turn:
+    """Split an output into reasoning, text and tool calls (``tools``: the schemas the request
+    offered, empty for none or ``tool_choice="none"``)."""
     ids = [int(t) for t in result.output_ids]
     if ids and ids[-1] in fmt.stop_token_ids:
         ids = ids[:-1]
-    text = fmt.decode(ids)
-    if tools and result.finish_reason == "stop":
-        parsed = fmt.parser.parse(text)
+    text, reasoning = fmt.decode(ids), ""
+    if fmt.reasoning is not None and result.finish_reason == "stop":
+        split = fmt.reasoning.split(text)
+        if not isinstance(split, Malformed):
+            reasoning, text = split[0], split[1].strip()
+    if tools and fmt.parser is not None and result.finish_reason == "stop":
+        parsed = fmt.parser.parse_with_ids(text, tools)
         if not isinstance(parsed, Malformed) and parsed[0]:
             calls = tuple((c.name, c.arguments) for c in parsed[0])
-            return Turn(parsed[1], calls, "tool_calls")
-    return Turn(text, (), result.finish_reason)
+            ids = parsed[2] or tuple(_new_id("call") for _ in calls)
+            return Turn(parsed[1].strip() if reasoning else parsed[1], calls, "tool_calls",
+                        reasoning, ids)
+    return Turn(text, (), result.finish_reason, reasoning)
 
 
 def _usage(n_prompt: int, result: GenerateResult) -> UsageInfo:
@@ -89,17 +105,19 @@ def _logprobs(fmt: TemplateFormat, result: GenerateResult) -> ChatCompletionLogP
 
 
 def _tool_calls(turn: Turn) -> list[ToolCall]:
-    return [ToolCall(id=_new_id("call"),
+    return [ToolCall(id=turn.ids[i] if i < len(turn.ids) else _new_id("call"),
                      function=FunctionCall(name=name, arguments=json.dumps(args)))
-            for name, args in turn.calls]
+            for i, (name, args) in enumerate(turn.calls)]
 
 
 def chat_response(fmt: TemplateFormat, *, model: str, prompt_ids: np.ndarray,
                   result: GenerateResult, turn: Turn, logprobs: bool, token_ids: bool
                   ) -> ChatCompletionResponse:
     """The non-streaming chat response."""
+    extra = {"reasoning": turn.reasoning, "reasoning_content": turn.reasoning} \
+        if turn.reasoning else {}
     message = ChatMessage(role="assistant", content=turn.content or None if turn.calls
-                          else turn.content, tool_calls=_tool_calls(turn))
+                          else turn.content, tool_calls=_tool_calls(turn), **extra)
     choice = ChatCompletionResponseChoice(
         index=0, message=message, finish_reason=turn.finish_reason,
         logprobs=_logprobs(fmt, result) if logprobs else None,
@@ -126,6 +144,8 @@ def chat_stream(response: ChatCompletionResponse, *, include_usage: bool) -> Ite
 
     yield chunk(DeltaMessage(role="assistant", content=""),
                 prompt_token_ids=response.prompt_token_ids)
+    if msg.reasoning:
+        yield chunk(DeltaMessage(reasoning=msg.reasoning, reasoning_content=msg.reasoning))
     yield chunk(DeltaMessage(content=msg.content or ""), token_ids=choice.token_ids,
                 logprobs=choice.logprobs)
     if msg.tool_calls:

@@ -129,9 +129,9 @@ def build_endpoint(model_dir: str | pathlib.Path, *, engine: str = "hf", seed: i
     path = pathlib.Path(model_dir)
     tokenizer = load_tokenizer(path)
     try:
-        fmt = load_chat_format(path)
-    except ChatFormatError:
-        fmt = None
+        fmt, chat_error = load_chat_format(path), None
+    except ChatFormatError as exc:                   # completions only; chat says why
+        fmt, chat_error = None, str(exc)
     if engine == "vllm":
         from ray_xlong.rollout.vllm_engine import VLLMEngine
 
@@ -147,7 +147,8 @@ def build_endpoint(model_dir: str | pathlib.Path, *, engine: str = "hf", seed: i
         config = EndpointConfig(model_name=path.name,
                                 max_model_len=int(conf.get("max_position_embeddings", 4096)))
     return Endpoint(eng, tokenizer=tokenizer,
-                    fmt=fmt if isinstance(fmt, TemplateFormat) else None, config=config)
+                    fmt=fmt if isinstance(fmt, TemplateFormat) else None, config=config,
+                    chat_error=chat_error)
 
 
 class ThreadedEndpoint:

@@ -21,10 +21,11 @@ Position-dependent attention in the tree layout counts along the trajectory (pos
 * sliding windows (Mistral, Qwen2 ``use_sliding_window``, Gemma-2/3, Cohere-2, Starcoder2, ...):
   the dense tree mask also requires ``depth(q) - depth(k) < window``; models with per-layer
   ``layer_types`` get a ``{"full_attention": m, "sliding_attention": m_window}`` mask dict;
-* ``xlong_tree`` attention has no window and no attention-logit soft-capping: such a model is
-  refused (:class:`TreeLayoutUnsupported`, naming the variant and the way out: ``sdpa`` /
-  ``eager`` attention, or ``pack="per_trajectory"``), as is any other layer type (chunked,
-  linear attention) in the tree layout. The per-trajectory layout is a plain right-padded batch:
+* ``xlong_tree`` attention reads each layer's ``sliding_window`` (and Gemma-2's ``softcap``)
+  from the attention call and counts the window by depth too (``tree_attention.py``), per layer
+  type for models mixing sliding and full layers; any other layer type (chunked, linear
+  attention) is refused in the tree layout (:class:`TreeLayoutUnsupported`, naming the variant
+  and the way out: ``pack="per_trajectory"``). The per-trajectory layout is a plain right-padded batch:
   every variant is exact there.
 """
 
@@ -53,24 +54,12 @@ def check_tree_support(model: torch.nn.Module) -> None:
     """Raise :class:`TreeLayoutUnsupported` when the tree layout cannot be exact for ``model``."""
     config = model.config
     arch = type(model).__name__
-    types, window = attention_variant(config)
+    types, _ = attention_variant(config)
     other = [t for t in types if t not in _TREE_LAYER_TYPES]
     if other:
         raise TreeLayoutUnsupported(
             f"{arch}: layer type(s) {other} are not supported in the tree layout; use "
             f"pack='per_trajectory'")
-    impl = getattr(config, "_attn_implementation", None) or "eager"
-    if impl != ATTN_IMPLEMENTATION:
-        return
-    if window is not None:
-        raise TreeLayoutUnsupported(
-            f"{arch}: sliding-window attention (window {window}) is not implemented by "
-            f"attn_implementation='xlong_tree'; use 'sdpa' or 'eager' (dense tree mask, window "
-            f"counted by depth) or pack='per_trajectory'")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise TreeLayoutUnsupported(
-            f"{arch}: attention-logit soft-capping is not implemented by "
-            f"attn_implementation='xlong_tree'; use 'eager' or pack='per_trajectory'")
 
 
 def tree_mask_bool(kv_end: torch.Tensor) -> torch.Tensor:
@@ -127,7 +116,8 @@ def attention_inputs(model: torch.nn.Module, batch: PackedBatch, *, device=None)
         check_tree_support(model)
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         if impl == ATTN_IMPLEMENTATION:
-            extra["tree_plan"] = tree_plan(mask, batch.valid)
+            extra["tree_plan"] = tree_plan(mask, batch.valid,
+                                           depth=batch.position_ids.to(device))
             mask = mask[:, None, None, :]          # 4D: HF passes it through untouched
         else:
             mask = _tree_masks(model, mask, batch.position_ids.to(device), impl)

@@ -29,6 +29,13 @@ Work = Σ over tree tokens of their depth, ≤ the per-trajectory work Σ Lᵢ²
 sits at the same depth in some trajectory). Elsewhere (other devices, or dropout) each segment
 is one plain ``scaled_dot_product_attention`` call over its keys with a cached additive mask;
 ``chunk`` cuts long segments there so the masked-out triangle stays ≤ ``chunk²/2`` per piece.
+Sliding windows (Mistral, Qwen2, Gemma-2/3, Cohere-2, Starcoder2: the layer's ``sliding_window``)
+count along the trajectory: query ``q`` sees key ``k`` of its path iff ``depth(q) - depth(k) <
+window``, ``depth`` being the positions the plan was built with. A windowed layer cuts each
+segment into pieces of ``window`` queries; a piece's keys are the suffix of its path that any of
+its queries can see (≤ 2·window keys), under a small bool mask, so the work is O(L · window), not
+O(L · depth). Attention-logit soft-capping (Gemma-2's ``softcap``) runs the same pieces with
+explicit scores (``tanh(s / cap) · cap``, masked softmax in float32), exact like HF's eager path.
 Registered with transformers as ``attn_implementation="xlong_tree"``; without a plan (e.g. the
 per-trajectory layout or generation) it falls back to HF's sdpa path, so one model serves both.
 Padding queries (after a row's last real token) get zeros.
@@ -84,7 +91,20 @@ class TreePlan:
     valid_lengths: tuple[int, ...]
     """Real tokens per row (padding follows)."""
     masks: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
-    """Cache of additive masks by (segment, dtype): built once, reused by every layer."""
+    """Cache of additive masks by (segment, dtype) and of windowed pieces by window: built
+    once, reused by every layer."""
+    depth: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
+    """``[R, L]`` positions (depth along the trajectory) for sliding windows; None: the index
+    along the path."""
+
+    def pieces(self, window: int | None) -> tuple["TreePiece", ...]:
+        """The plan cut for a layer with ``window`` (None: one piece per segment, for
+        soft-capping without a window); cached by window."""
+        key = ("pieces", window)
+        if key not in self.masks:
+            self.masks[key] = tuple(p for seg in self.segments
+                                    for p in _segment_pieces(seg, window, self.depth))
+        return self.masks[key]
 
     def mask(self, seg: TreeSegment, dtype: torch.dtype) -> torch.Tensor:
         """``[m, n_prefix + m]`` additive mask: 0 on the prefix, causal on the segment."""
@@ -108,8 +128,50 @@ class TreePlan:
         return sum((s.stop - s.start) * int(s.keys.numel()) for row in self.rows for s in row)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TreePiece:
+    """Queries ``[start, stop)`` of ``row`` over ``keys`` under ``allowed`` (windowed or
+    soft-capped layers)."""
+
+    row: int
+    """Row of the packed batch."""
+    start: int
+    """First query column."""
+    stop: int
+    """One past the last query column."""
+    keys: torch.Tensor
+    """``[n]`` int64 key columns: the suffix of the queries' path any of them may see."""
+    allowed: torch.Tensor
+    """``[stop − start, n]`` bool: on the path at or before the query, inside the window."""
+
+
+def _segment_pieces(seg: TreeSegment, window: int | None, depth: torch.Tensor | None
+                    ) -> list[TreePiece]:
+    """A segment cut into pieces of ``window`` queries, each with the keys it can see."""
+    device = seg.keys.device
+    step = window or (seg.stop - seg.start)
+    pieces = []
+    for lo in range(seg.start, seg.stop, step):
+        hi = min(seg.stop, lo + step)
+        path = seg.keys[:seg.num_prefix + hi - seg.start]
+        cols = torch.arange(lo, hi, device=device)
+        if depth is None:                                   # depth = index along the path
+            d_path = torch.arange(path.numel(), device=device)
+            d_q = d_path[seg.num_prefix + lo - seg.start:]
+        else:
+            d_path, d_q = depth[seg.row, path], depth[seg.row, lo:hi]
+        if window is not None:
+            keep = d_path > d_q[0] - window
+            path, d_path = path[keep], d_path[keep]
+        allowed = path.unsqueeze(0) <= cols.unsqueeze(1)
+        if window is not None:
+            allowed &= (d_q.unsqueeze(1) - d_path.unsqueeze(0)) < window
+        pieces.append(TreePiece(seg.row, lo, hi, path, allowed))
+    return pieces
+
+
 def tree_plan(kv_end: torch.Tensor, valid: torch.Tensor, *,
-              chunk: int | None = None) -> TreePlan:
+              chunk: int | None = None, depth: torch.Tensor | None = None) -> TreePlan:
     """Segments of a tree batch.
 
     Args:
@@ -117,6 +179,7 @@ def tree_plan(kv_end: torch.Tensor, valid: torch.Tensor, *,
         valid: ``[R, L]`` bool, real tokens (a prefix of each row).
         chunk: most queries per segment piece (>= 1); ``None``: uncut on CPU (the fused
             path computes no masked-out pairs, so cutting only adds calls), 256 elsewhere.
+        depth: ``[R, L]`` positions (the tree layout's ``position_ids``) for sliding windows.
 
     Returns:
         The plan; its key tensors live on ``kv_end``'s device.
@@ -143,7 +206,8 @@ def tree_plan(kv_end: torch.Tensor, valid: torch.Tensor, *,
                                             torch.from_numpy(keys).to(kv_end.device),
                                             int(prefix[0]) if contiguous else None))
         rows.append(tuple(segments))
-    return TreePlan(tuple(rows), tuple(int(n) for n in lengths))
+    return TreePlan(tuple(rows), tuple(int(n) for n in lengths),
+                    depth=None if depth is None else depth.to(kv_end.device))
 
 
 def _prefix_kv(key, value, seg: TreeSegment):
@@ -260,6 +324,9 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     dropout = dropout if module.training else 0.0
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if window is not None or softcap:
+        return _pieces_forward(query, key, value, tree_plan, window, softcap, scaling, dropout)
     if query.device.type == "cpu" and dropout == 0.0:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = _TreeAttention.apply(query, key, value, tree_plan, float(scale))
@@ -275,6 +342,31 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         pad = query.new_zeros(1, query.shape[1], query.shape[2] - n, value.shape[-1])
         rows.append(torch.cat(parts + [pad], dim=2))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
+
+
+def _pieces_forward(query, key, value, plan: TreePlan, window: int | None,
+                    softcap: float | None, scaling: float | None, dropout: float):
+    """Attention of a windowed or soft-capped layer, piece by piece (module docstring)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]
+    out = query.new_zeros(query.shape[:3] + (value.shape[-1],))
+    for piece in plan.pieces(int(window) if window is not None else None):
+        r = piece.row
+        q = query[r:r + 1, :, piece.start:piece.stop]
+        k = key[r:r + 1].index_select(2, piece.keys)
+        v = value[r:r + 1].index_select(2, piece.keys)
+        if not softcap:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=piece.allowed,
+                                               dropout_p=dropout, scale=scale,
+                                               enable_gqa=groups > 1)
+        else:
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+            scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+            scores = scores.masked_fill(~piece.allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            o = F.dropout(probs, p=dropout, training=dropout > 0) @ v
+        out[r:r + 1, :, piece.start:piece.stop] = o
+    return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> str:

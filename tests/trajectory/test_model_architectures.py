@@ -1,7 +1,8 @@
 """Exact loss on many architectures: both layouts = the model's own forward on plain sequences.
 
 Logits go through the model's own head and post-processing (soft-capping, logit scaling);
-sliding windows count by depth in the tree layout; what ``xlong_tree`` cannot do is refused.
+sliding windows count by depth in the tree layout, with the dense mask and with ``xlong_tree``
+alike (per layer type; soft-capped attention too); what ``xlong_tree`` cannot do is refused.
 """
 
 from __future__ import annotations
@@ -86,22 +87,69 @@ def test_the_depth_window_and_the_logit_post_processing_matter(batches):
         assert (head_only - model(input_ids=flat.input_ids[:1]).logits).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name, variant", [
-    pytest.param("mistral-sliding", "sliding-window attention", id="sliding"),
-    pytest.param("gemma2-softcap-sliding", "sliding-window attention", id="softcap-sliding"),
-    pytest.param("stablelm", "does not pass the tree plan", id="no-kwargs"),
-])
-def test_xlong_tree_refuses_what_it_cannot_do_exactly(name, variant, batches):
+def test_xlong_tree_refuses_what_it_cannot_do_exactly(batches):
     tree, flat = batches
-    model = build_arch(name, attn_implementation="xlong_tree")
-    with pytest.raises(TreeLayoutUnsupported, match=f"{variant}.*per_trajectory"):
+    model = build_arch("stablelm", attn_implementation="xlong_tree")
+    with pytest.raises(TreeLayoutUnsupported, match="does not pass the tree plan.*per_trajectory"):
         token_logprobs(model, tree)
     token_logprobs(model, flat)                        # the way out works
 
 
-def test_attention_logit_softcapping_is_refused_by_xlong_tree(batches):
-    tree, _ = batches
-    model = build_arch("gemma2-softcap-sliding", attn_implementation="xlong_tree")
-    model.config.sliding_window, model.config.layer_types = None, ["full_attention"] * 2
-    with pytest.raises(TreeLayoutUnsupported, match="soft-capping.*per_trajectory"):
-        token_logprobs(model, tree)
+SLIDING = ("mistral-sliding", "gemma2-softcap-sliding", "gemma3-sliding", "qwen2-sliding")
+
+
+def _xlong_and_dense(name, *, window=None):
+    dense = build_arch(name, attn_implementation=ARCHS[name][2])
+    fast = build_arch(name, attn_implementation="xlong_tree")
+    if window is not None:
+        dense.config.sliding_window = fast.config.sliding_window = window
+    return fast, dense
+
+
+@pytest.mark.parametrize("name,window", [("mistral-sliding", 16)] + [(n, None) for n in SLIDING])
+def test_xlong_tree_sliding_windows_equal_the_dense_tree_mask(name, window, batches):
+    tree, flat = batches
+    assert int(tree.position_ids.max()) > 2 * (window or ARCHS[name][1]["sliding_window"])
+    fast, dense = _xlong_and_dense(name, window=window)
+    with torch.no_grad():
+        x = token_logprobs(fast, tree)
+        assert (x - token_logprobs(dense, tree)).abs().max() <= TOL
+        assert (x - plain_reference(dense, flat)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding",
+                                  pytest.param("gemma2-softcap-sliding", marks=pytest.mark.slow)])
+def test_xlong_tree_window_gradients_equal_plain_sequence_gradients(name, batches):
+    tree, flat = batches
+    fast, dense = _xlong_and_dense(name)
+    fast.load_state_dict(dense.state_dict())
+    w = torch.linspace(0.5, 1.5, tree.num_targets)
+
+    def grads(model, fn):
+        model.zero_grad()
+        (fn() * w).sum().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    g_tree = grads(fast, lambda: token_logprobs(fast, tree))
+    g_ref = grads(dense, lambda: plain_reference(dense, flat))
+    assert (g_tree - g_ref).abs().max() <= TOL * g_ref.abs().max()
+
+
+def test_xlong_tree_window_and_softcap_matter(batches):
+    """Without the window (or the soft-cap) the numbers differ: the checks above can fail."""
+    tree, flat = batches
+    fast, dense = _xlong_and_dense("mistral-sliding")
+    with torch.no_grad():
+        ref = plain_reference(dense, flat)
+        fast.config.sliding_window = None
+        assert (token_logprobs(fast, tree) - ref).abs().max() > 1e-3
+    fast, dense = _xlong_and_dense("gemma2-softcap-sliding")
+    for model in (fast, dense):                    # a cap that binds on tiny random scores
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = 0.05
+    with torch.no_grad():
+        ref = plain_reference(dense, flat)
+        assert (token_logprobs(fast, tree) - ref).abs().max() <= TOL
+        for layer in fast.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        assert (token_logprobs(fast, tree) - ref).abs().max() > 1e-3
