@@ -44,7 +44,8 @@ import torch
 
 from ray_xlong.checks import check_int
 from ray_xlong.models import build_tiny_model_dir, load_model
-from ray_xlong.rollout.chat import ChatFormat, format_for_tokenizer, load_chat_format
+from ray_xlong.rollout.chat import ChatFormat
+from ray_xlong.rollout.formats import format_for_tokenizer, load_chat_format
 from ray_xlong.rollout.engine import Engine
 from ray_xlong.rollout.harness import Harness
 from ray_xlong.rollout.run_records import HarnessConfig

@@ -117,7 +117,7 @@ def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None,
         rollout.lookup_recipe.WarmStartFailed: the warm start did not take (nothing is cached).
     """
     from ray_xlong.models import build_tiny_model_dir
-    from ray_xlong.rollout.chat import format_for_tokenizer
+    from ray_xlong.rollout.formats import format_for_tokenizer
     from ray_xlong.rollout.lookup_recipe import WarmStartConfig, format_corpus, warm_start_policy
 
     warm = warm or WarmStartConfig()

@@ -15,7 +15,8 @@ May import: ``models`` and ``trajectory`` (never ``cells``, ``rllib`` or ``tools
 """
 
 from ray_xlong.rollout.chat import (Answer, ChatFormat, ChatFormatError, Malformed, ToolCall,
-                                    ToolCalls, load_chat_format)
+                                    ToolCalls)
+from ray_xlong.rollout.formats import load_chat_format
 from ray_xlong.rollout.context import Context, ContextFull
 from ray_xlong.rollout.batching import BatchingEngine
 from ray_xlong.rollout.engine import Engine, EngineError, EngineStats, GenerateResult, SamplingConfig

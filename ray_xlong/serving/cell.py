@@ -33,7 +33,8 @@ async def attach(engine: Any, model_dir: str, *, host: str = "127.0.0.1", port: 
     import pathlib
 
     from ray_xlong.models.build import load_tokenizer
-    from ray_xlong.rollout.chat import ChatFormatError, load_chat_format
+    from ray_xlong.rollout.chat import ChatFormatError
+    from ray_xlong.rollout.formats import load_chat_format
     from ray_xlong.rollout.template_format import TemplateFormat
 
     path = pathlib.Path(model_dir)

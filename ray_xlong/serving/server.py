@@ -123,7 +123,8 @@ def build_endpoint(model_dir: str | pathlib.Path, *, engine: str = "hf", seed: i
                    max_batch_size: int = 16, config: EndpointConfig | None = None) -> Endpoint:
     """An endpoint on a new engine for ``model_dir`` (call on the loop that will serve it)."""
     from ray_xlong.models.build import load_tokenizer
-    from ray_xlong.rollout.chat import ChatFormatError, load_chat_format
+    from ray_xlong.rollout.chat import ChatFormatError
+    from ray_xlong.rollout.formats import load_chat_format
     from ray_xlong.rollout.template_format import TemplateFormat
 
     path = pathlib.Path(model_dir)

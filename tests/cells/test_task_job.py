@@ -44,7 +44,7 @@ def test_failed_warm_start_is_not_cached(tmp_path):
 
 @pytest.mark.slow
 def test_template_policy_has_its_own_cache_entry_and_chat_format(tmp_path):
-    from ray_xlong.rollout.chat import load_chat_format
+    from ray_xlong.rollout.formats import load_chat_format
     from ray_xlong.rollout.template_format import TemplateFormat
 
     token = warm_started_model_dir(tmp_path, seed=0, warm=TINY)

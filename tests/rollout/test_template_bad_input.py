@@ -11,7 +11,8 @@ import pytest
 from ray_xlong.models import build_tiny_model_dir
 from ray_xlong.models.tokenizer import build_tokenizer
 from ray_xlong.rollout import Harness, HarnessConfig, ScriptedEngine
-from ray_xlong.rollout.chat import ChatFormatError, load_chat_format
+from ray_xlong.rollout.chat import ChatFormatError
+from ray_xlong.rollout.formats import load_chat_format
 from ray_xlong.rollout.template_format import TemplateFormat
 from tests.rollout.test_template_format import TOOLS, TwoTools, call
 

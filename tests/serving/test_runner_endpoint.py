@@ -14,7 +14,7 @@ from ray.rllib.algorithms.ppo import PPOConfig
 from ray_xlong.models import build_tiny_model_dir
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig, RunSpec
 from ray_xlong.rollout import ScriptedEngine
-from ray_xlong.rollout.chat import load_chat_format
+from ray_xlong.rollout.formats import load_chat_format
 from ray_xlong.serving.agents import AgentTask, register_agent_task
 from tests.serving.conftest import TOOLS, tool_policy, tool_result
 
