@@ -60,7 +60,8 @@ def runs_for(ctx: Ctx, groups: int = 2):
 
 
 def stage_engine(ctx: Ctx) -> dict:
-    from ray_xlong.cells.engines import EngineLayout, engine_set_factory
+    from ray_xlong.cells.cell_engines import engine_set_factory
+    from ray_xlong.cells.engines import EngineLayout
     from ray_xlong.rollout import HarnessConfig, HFEngine, Harness, load_chat_format
     from ray_xlong.rollout.tasks import make_task
 

@@ -17,8 +17,9 @@ rollout cell, nodes_per_cell × gpus_per_node GPUs
 
 A run is one asyncio task of the runner's loop (``AgentEnvRunner._start``), so the pin is
 keyed by the calling task and dropped when it ends (:class:`Pins`, shared by both placements).
-The runner hands the set in through ``RolloutConfig.engine_factory`` (:func:`engine_set_factory`,
-a :class:`CellEngines`), so the runner is unchanged.
+The runner hands the set in through ``RolloutConfig.engine_factory`` (``cell_engines.py``:
+``engine_set_factory``, a ``CellEngines`` that builds either placement), so the runner is
+unchanged.
 
 Where the engines live (``EngineLayout.placement``): ``process`` keeps them in the runner's
 process (fast to start, what CPU cells use); ``actors`` gives each its own actor in the cell's
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -224,56 +225,3 @@ class EngineSet:
 
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CellEngines:
-    """A ``RolloutConfig.engine_factory`` for a cell's engines (picklable; called in the
-    runner's process, on its loop)."""
-
-    layout: EngineLayout
-    """How many engines, their size and where they live (``placement`` None: ``process``;
-    ``rllib.cell_actors.cell_actors`` resolves it for the cell's device first)."""
-    make: Callable[[int, int], Any]
-    """``make(index, tensor_parallel_size) -> Engine``: builds engine ``index`` (in the
-    runner's process, or in that engine's actor)."""
-
-    def __call__(self) -> Any:
-        if self.layout.placement == "actors":
-            from ray_xlong.cells.engine_actors import start_engine_actors
-
-            return start_engine_actors(self.layout, self.make)
-        return EngineSet([self.make(i, self.layout.tensor_parallel_size)
-                          for i in range(self.layout.engines_per_cell)])
-
-    def resolve(self, device: str) -> CellEngines:
-        """This factory with its layout's placement decided (:meth:`EngineLayout.resolve`)."""
-        return dataclasses.replace(self, layout=self.layout.resolve(device))
-
-
-def engine_set_factory(layout: EngineLayout, make: Callable[[int, int], Any]) -> CellEngines:
-    """A ``RolloutConfig.engine_factory`` building ``layout.engines_per_cell`` engines with
-    ``make(index, tensor_parallel_size)`` (e.g. an ``HFEngine`` on CPU, a ``VLLMEngine`` per
-    GPU group on CUDA), where ``layout.placement`` puts them."""
-    return CellEngines(layout, make)
-
-
-def replicated_engine_set(layout: EngineLayout, factory: Callable[[], Any]) -> CellEngines:
-    """:func:`engine_set_factory` whose engines are each ``factory()`` (a picklable engine
-    factory, e.g. ``RolloutConfig.engine_factory``; CPU engines: no tensor parallelism)."""
-    if layout.tensor_parallel_size != 1:
-        raise EngineLayoutError(f"replicated_engine_set: EngineLayout.tensor_parallel_size="
-                                f"{layout.tensor_parallel_size}; give engine_set_factory a "
-                                f"make(index, tp) instead")
-    return engine_set_factory(layout, _Replica(factory))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Replica:
-    """``make(index, tp) = factory()`` (picklable)."""
-
-    factory: Callable[[], Any]
-    """The engine factory every engine comes from."""
-
-    def __call__(self, index: int, tensor_parallel_size: int) -> Any:
-        return self.factory()

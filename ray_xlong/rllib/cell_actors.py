@@ -20,7 +20,8 @@ from typing import Any, Callable, Mapping
 import ray
 
 from ray_xlong.cells.config import LearnerSettings
-from ray_xlong.cells.engines import CellEngines, model_weights
+from ray_xlong.cells.cell_engines import CellEngines
+from ray_xlong.cells.engines import model_weights
 from ray_xlong.cells.pool import CellActors
 from ray_xlong.cells.spool import RunSpool
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig

@@ -310,7 +310,7 @@ class VLLMEngine(BatchingEngine):
 @dataclasses.dataclass(frozen=True, slots=True)
 class VLLMEngineMaker:
     """``make(index, tensor_parallel_size) -> VLLMEngine``: the picklable engine maker of a
-    cell's ``EngineLayout`` (``cells.engines.engine_set_factory``; with engine actors each
+    cell's ``EngineLayout`` (``cells.cell_engines.engine_set_factory``; with engine actors each
     actor calls it in its own process, on the GPUs Ray gave it)."""
 
     model_dir: str

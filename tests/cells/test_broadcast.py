@@ -17,7 +17,8 @@ import torch
 
 from ray_xlong.cells.broadcast import SCHEMES
 from ray_xlong.cells.config import CellJobConfig, LearnerSettings, make_policy
-from ray_xlong.cells.engines import EngineLayout, replicated_engine_set
+from ray_xlong.cells.cell_engines import replicated_engine_set
+from ray_xlong.cells.engines import EngineLayout
 from ray_xlong.cells.pool import CellLayout, create_cells
 from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.scheduling import Role, SchedulingConfig

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from ray_xlong.cells.engine_actors import engine_bundles
-from ray_xlong.cells.engines import (CellEngines, EngineLayout, EngineLayoutError,
-                                     replicated_engine_set)
+from ray_xlong.cells.cell_engines import CellEngines, replicated_engine_set
+from ray_xlong.cells.engines import EngineLayout, EngineLayoutError
 
 ACTORS = EngineLayout(engines_per_cell=2, placement="actors")
 

@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from ray_xlong.cells.engines import EngineLayout, EngineLayoutError, engine_set_factory
+from ray_xlong.cells.cell_engines import engine_set_factory
+from ray_xlong.cells.engines import EngineLayout, EngineLayoutError
 
 
 @pytest.fixture(scope="module")
