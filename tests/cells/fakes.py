@@ -507,25 +507,33 @@ class FakeJob:
         return cls(cfg, ray, ledger, pool)
 
     def actuator(self, **kwargs: Any) -> Any:
-        """A ``RayActuator`` of this job on the fake cells (Ray calls through ``FakeRay``)."""
+        """A ``RayActuator`` of this job on the fake cells (Ray calls through ``FakeRay``),
+        with an :class:`OnceWhen` injector that only bounds the ticks (replace it to inject)."""
         from ray_xlong.cells.actuator import RayActuator
         from ray_xlong.cells.config import make_policy
 
-        return RayActuator(self.cfg, make_policy(self.cfg), self.pool, ray=self.ray, **kwargs)
+        act = RayActuator(self.cfg, make_policy(self.cfg), self.pool, ray=self.ray, **kwargs)
+        act.injector = OnceWhen()
+        return act
 
 
 class OnceWhen:
     """An actuator ``injector``: calls ``action(actuator)`` every tick until it returns
-    something other than None (it fired), then ``then(actuator)`` every later tick."""
+    something other than None (it fired), then ``then(actuator)`` every later tick. A job
+    that has not ended after ``max_ticks`` fails (a recovery that loops, not a hung test)."""
 
-    def __init__(self, action: Callable[[Any], Any],
-                 then: Callable[[Any], Any] | None = None) -> None:
-        self.action, self.then = action, then
+    def __init__(self, action: Callable[[Any], Any] = lambda act: None,
+                 then: Callable[[Any], Any] | None = None, *, max_ticks: int = 3000) -> None:
+        self.action, self.then, self.max_ticks = action, then, max_ticks
         self.fired: Any = None
         """What ``action`` returned when it fired (None until then)."""
-        self.ticks_after = 0
+        self.ticks = self.ticks_after = 0
 
     def tick(self, act: Any) -> None:
+        self.ticks += 1
+        if self.ticks > self.max_ticks:
+            raise AssertionError(f"the job did not end within {self.max_ticks} ticks "
+                                 f"(version {act.m.version}, faults {act.faults})")
         if self.fired is None:
             self.fired = self.action(act)
             return
