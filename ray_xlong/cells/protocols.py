@@ -16,11 +16,12 @@ The driver calls runner and Learner methods on actor handles (``handle.name.remo
 the protocols state the methods of the actor classes behind the handles. Role calls of a runner
 take trailing ``after`` refs (ignored by the runner): the driver chains each call on the
 previous one, since Ray does not order the calls of an actor with concurrency groups.
-:func:`missing` lists what a class lacks of a protocol (the contract tests use it).
+:func:`conformance` lists what keeps a class from a protocol (the contract tests use it).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 if TYPE_CHECKING:
@@ -200,12 +201,34 @@ class CellHost(Protocol):
 
 
 def members(protocol: type) -> list[str]:
-    """The method and attribute names ``protocol`` declares (its own, in order)."""
+    """The method, property and attribute names ``protocol`` declares (its own, in order)."""
     names = [n for n, v in vars(protocol).items()
-             if not n.startswith("_") and (callable(v) or isinstance(v, property))]
+             if (not n.startswith("_") or n == "__ray_ready__")
+             and (callable(v) or isinstance(v, property))]
     return names + [n for n in vars(protocol).get("__annotations__", {}) if n not in names]
 
 
-def missing(cls: type, protocol: type) -> list[str]:
-    """Names of ``protocol`` that ``cls`` does not define (empty: it conforms by name)."""
-    return [n for n in members(protocol) if not hasattr(cls, n)]
+def _unbound(fn: Any) -> inspect.Signature:
+    sig = inspect.signature(fn)
+    return sig.replace(parameters=list(sig.parameters.values())[1:])     # without self
+
+
+def _shape(fn: Any) -> list[tuple[str, Any]]:
+    return [(p.name, p.kind) for p in _unbound(fn).parameters.values()]
+
+
+def conformance(impl: Any, protocol: type) -> list[str]:
+    """What keeps ``impl`` (a class, or an object whose attributes are set at construction)
+    from the contract ``protocol``: each name it lacks, and each method whose parameters
+    (names and kinds) differ. Empty: it conforms."""
+    cls = impl if isinstance(impl, type) else type(impl)
+    out = []
+    for name in members(protocol):
+        want, have = vars(protocol).get(name), inspect.getattr_static(impl, name, None)
+        if have is None:
+            out.append(f"{cls.__name__}.{name}: missing")
+        elif inspect.isfunction(want) and inspect.isfunction(have) and \
+                _shape(want) != _shape(have):
+            out.append(f"{cls.__name__}.{name}{_unbound(have)} is not "
+                       f"{protocol.__name__}.{name}{_unbound(want)}")
+    return out
