@@ -253,6 +253,11 @@ class CellPool:
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         return all(node in alive for node in table.get("bundles_to_node_id", {}).values())
 
+    def stop_actors(self, cell: int) -> None:
+        """Stop ``cell``'s runner and learner for good (every rank of a sharded learner)."""
+        for actor in (self.cells[cell].runner, self.cells[cell].learner):
+            kill(actor)
+
     def shutdown(self) -> None:
         """Stop the actors and remove the placement groups."""
         for cell in self.cells:

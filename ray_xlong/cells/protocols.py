@@ -196,6 +196,9 @@ class CellHost(Protocol):
     def placed(self, cell: int) -> bool:
         """Whether ``cell``'s placement group holds all its bundles on alive nodes."""
 
+    def stop_actors(self, cell: int) -> None:
+        """Stop ``cell``'s runner and learner for good (every rank of a sharded learner)."""
+
     def push_weights(self, cells: Sequence[int], weights: Any, version: int) -> list[int]:
         """Load ``weights`` into the engines of ``cells``; returns cells whose runner died."""
 

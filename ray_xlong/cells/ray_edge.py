@@ -3,13 +3,14 @@ actuator, recovery, checkpointing and the learner group make, behind one small o
 
 ```
 JobState.ray : RayCalls ─┬─ RayEdge (this module): ray.get / ray.wait / ray.put,
-                         │    ray.exceptions.RayError, actor_lost / actor_alive, kill,
+                         │    ray.exceptions.RayError, actor_lost / actor_alive,
                          │    reduce_gradients (the sum tasks of a step)
                          └─ an in-process fake (tests/cells/fakes.py): ready refs, no Ray
 ```
 
 Actor calls keep Ray's handle syntax (``runner.resume.remote(weights, version)``): the handle
-is what a pool hands out, so a fake pool hands out in-process handles with the same ``.remote``.
+is what a pool hands out, so a fake pool hands out in-process handles with the same ``.remote``
+(and the pool starts and stops its actors: ``protocols.CellHost``).
 Everything else that talks to Ray from the runtime's logic goes through :class:`RayCalls`, so
 that recovery and checkpoint logic run in unit tests without starting Ray. :class:`RayEdge`
 calls Ray exactly as the runtime did before it was put behind this interface.
@@ -22,7 +23,6 @@ from typing import Any, Protocol, Sequence
 import ray
 
 from ray_xlong.cells.reduce import reduce_gradients
-from ray_xlong.cells.sharded import kill
 
 
 class RayCalls(Protocol):
@@ -46,9 +46,6 @@ class RayCalls(Protocol):
 
     def alive(self, actor: Any) -> bool:
         """False once ``actor`` is known dead (a busy actor counts as alive)."""
-
-    def kill(self, actor: Any) -> None:
-        """Stop ``actor`` for good (every rank of a sharded learner)."""
 
     def reduce(self, parts: Sequence[Any], *, scheme: str) -> list[Any]:
         """The ``apply_step`` argument summing gradient ``parts`` (``reduce.reduce_gradients``)."""
@@ -95,9 +92,6 @@ class RayEdge:
 
     def alive(self, actor: Any) -> bool:
         return actor_alive(actor)
-
-    def kill(self, actor: Any) -> None:
-        kill(actor)
 
     def reduce(self, parts: Sequence[Any], *, scheme: str) -> list[Any]:
         return reduce_gradients(parts, scheme=scheme)

@@ -224,8 +224,7 @@ class Recovery:
         s.m.cell_lost(cell, "node", now)
         helper = self._helper(cell)
         spooled = self.from_spool(cell, s.cells[helper].runner, payload_cell=helper)
-        for actor in (s.cells[cell].runner, s.cells[cell].learner):
-            s.ray.kill(actor)  # a survivor on another node must not run on
+        s.pool.stop_actors(cell)  # a survivor on another node must not run on
         s.chain.pop(cell, None)
         try:
             orphans = s.m.retire_cell(cell, s.now())

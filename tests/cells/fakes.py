@@ -2,7 +2,7 @@
 logic run in unit tests without Ray (``ray`` may be imported, it is never initialised).
 
 ```
-FakeRay      ray_edge.RayCalls: get / wait resolve refs in process; put; lost / alive / kill;
+FakeRay      ray_edge.RayCalls: get / wait resolve refs in process; put; lost / alive;
              reduce sums gradient parts (Counters of run ids)
 FakeActor    a handle: ``actor.method.remote(*args)`` queues the call and returns a FakeRef;
              resolving a ref runs the actor's queue up to that call, in submission order (as
@@ -203,9 +203,6 @@ class FakeRay:
 
     def alive(self, actor: Any) -> bool:
         return not actor.dead
-
-    def kill(self, actor: Any) -> None:
-        actor.kill()
 
     def reduce(self, parts: Sequence[Any], *, scheme: str) -> list[Any]:
         if scheme == "all" or len(parts) <= 1:
@@ -439,6 +436,10 @@ class FakePool:
 
     def placed(self, cell: int) -> bool:
         return cell not in self.unplaced
+
+    def stop_actors(self, cell: int) -> None:
+        self.cells[cell].runner.kill()
+        self.cells[cell].learner.kill()
 
     def push_weights(self, cells: Sequence[int], weights: Any, version: int) -> list[int]:
         pushes = {c: self.cells[c].runner.set_weights.remote(weights, version) for c in cells}
