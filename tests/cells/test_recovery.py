@@ -1,7 +1,7 @@
 """Recovery (``cells/recovery.py``) driven by the real actuator on in-process fakes, no Ray:
 a runner lost (its spooled runs delivered, its live runs restarted in place), a learner lost
-mid-step (its micro-batches requeued, the step's update unchanged: nothing trained twice), a
-node lost (the cell retired, its live runs restarted on other cells, the payloads of its ended
+mid-step (its micro-batches requeued, the step's update unchanged: nothing trained twice) or as
+the reduce begins (the survivors' gradients banked), a node lost (the cell retired, its live runs restarted on other cells, the payloads of its ended
 untrained runs rebuilt from the spool; the cell rebuilt once its node is back), and an actor
 error that is not a death (``CellActorDied``).
 
@@ -141,3 +141,34 @@ def test_an_actor_error_that_is_not_a_death_fails_loudly(tmp_path):
     act.injector = OnceWhen(refuse)
     with pytest.raises(CellActorDied, match="cell 0: started failed"):
         act.run()
+
+
+def test_learner_lost_before_the_reduce_banks_the_survivors_gradients(tmp_path):
+    """A member dies as the step's reduce begins (after its micro-batches): ``finish`` finds
+    it gone, keeps the survivors' gradients (banked), and its micro-batches are trained again
+    by the members left — the update still holds every run once."""
+    job = FakeJob.make(fake_config(tmp_path, steps=4))
+    act = job.actuator()
+    killed = []
+
+    def patch_finish(a):
+        if a.learners is None:
+            return None
+        group, finish = a.learners, a.learners.finish
+
+        def finish_killing_one():
+            if not killed and len(group.members) >= 2:
+                cell = max(group.members, key=lambda c: len(group.held[c]))
+                killed.append((cell, len(group.held[cell])))
+                a.cells[cell].learner.kill()
+            return finish()
+        group.finish = finish_killing_one
+        return True
+
+    act.injector = OnceWhen(patch_finish)
+    result = act.run()
+    assert killed, "no step had two members"
+    (cell, held), (f,) = killed[0], result.faults
+    assert (f.kind, f.cell, f.why) == ("learner", cell, "lost during the step's reduce")
+    assert held >= 1
+    audit(job, result)
