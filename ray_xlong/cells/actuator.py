@@ -69,6 +69,8 @@ class RayActuator:
         pool: the cells.
         version_offset: the policy version of scheduler step 0 (a job restored at version v).
         observer: told about runs and steps as they happen (:class:`StepObserver`).
+        ray: the Ray calls (default ``ray_edge.RayEdge``; ``tests/cells/fakes.FakeRay`` with a
+            fake pool runs the job in process).
     """
 
     def __init__(self, config: CellJobConfig, policy: Policy, pool: CellHost, *,
@@ -132,7 +134,6 @@ class RayActuator:
         """Unix time a resume from a checkpoint finished (None: not resumed)."""
         return self.state.resumed_at
 
-    # -- read API --------------------------------------------------------------------------------
     @property
     def faults(self) -> list[FaultRecord]:
         """One record per recovery so far (``RayResult.faults``)."""
