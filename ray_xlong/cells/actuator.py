@@ -25,34 +25,38 @@ seconds since start; a cell entering training or syncing is busy (``ready_at = �
 actors report back, then ``ready`` is logged, as the simulator logs the end of its delays.
 
 Invariants: every move passes the CellMachine first; a runner is suspended only after its runs
-ended; every ended run is in exactly one micro-batch plan. Losses go to ``recovery.py``, driver
-checkpoints to ``checkpoint.py``; an actor error that is not a death raises ``CellActorDied``.
+ended; every ended run is in exactly one micro-batch plan. The actuator owns the job's state
+(``job_state.JobState``); losses go to ``recovery.py``, driver checkpoints to ``checkpoint.py``,
+measurements to ``metrics.py``: each takes that state (and the actuator's few actions,
+``protocols.JobActions``), none imports this module. Ray is reached through ``JobState.ray``
+(``ray_edge.RayEdge``; an in-process fake in unit tests) and actor handles. An actor error that
+is not a death raises ``CellActorDied``.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import time
 from typing import Any, Sequence
 
-import ray
-
+from ray_xlong.cells import checkpoint
 from ray_xlong.cells.broadcast import broadcast_sync
 from ray_xlong.cells.config import CellJobConfig
-from ray_xlong.cells.records import CellActorDied, EndedRun, FaultRecord, Pending, StepObserver
+from ray_xlong.cells.job_state import INF, JobState
 from ray_xlong.cells.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
-                                           actor_alive, actor_lost, plan_step)
+                                           plan_step)
 from ray_xlong.cells.metrics import RayResult, job_result
-from ray_xlong.cells.pool import CellPool
+from ray_xlong.cells.protocols import CellHost
+from ray_xlong.cells.ray_edge import RayCalls, RayEdge
+from ray_xlong.cells.records import CellActorDied, EndedRun, FaultRecord, Pending, StepObserver
+from ray_xlong.cells.recovery import Recovery
 from ray_xlong.cells.runs import run_index
 from ray_xlong.cells.spool import RunSpool
 from ray_xlong.scheduling import (CellMachine, Drain, JoinStep, Policy, Reserve, Role, StartRuns,
                                   StartTraining, Sync)
 from ray_xlong.trajectory.per_run import RunDigest
 
-__all__ = ["CellActorDied", "EndedRun", "Pending", "RayActuator", "StepObserver"]
-INF = float("inf")
+__all__ = ["CellActorDied", "EndedRun", "INF", "Pending", "RayActuator", "StepObserver"]
 MAX_ROUNDS = 16
 
 
@@ -65,53 +69,80 @@ class RayActuator:
         pool: the cells.
         version_offset: the policy version of scheduler step 0 (a job restored at version v).
         observer: told about runs and steps as they happen (:class:`StepObserver`).
+        ray: the Ray calls (default ``ray_edge.RayEdge``; ``tests/cells/fakes.FakeRay`` with a
+            fake pool runs the job in process).
     """
 
-    def __init__(self, config: CellJobConfig, policy: Policy, pool: CellPool, *,
-                 version_offset: int = 0, observer: StepObserver | None = None) -> None:
-        from ray_xlong.cells.recovery import Recovery
-
+    def __init__(self, config: CellJobConfig, policy: Policy, pool: CellHost, *,
+                 version_offset: int = 0, observer: StepObserver | None = None,
+                 ray: RayCalls | None = None) -> None:
         if len(pool.cells) != config.layout.cells:
             raise ValueError(f"RayActuator.pool: {len(pool.cells)} cells, config.layout "
                              f"wants {config.layout.cells}")
-        self.cfg, self.policy, self.pool = config, policy, pool
-        self.cells = pool.cells
-        self.version_offset, self.observer = version_offset, observer
-        self.m = CellMachine(config.job, slots=[config.slots_per_cell] * len(self.cells))
-        self.learners: ElasticLearnerGroup | None = None  # built on the start state in run()
-        self.pending: dict[Any, Pending] = {}
-        self.ended: dict[int, list[EndedRun]] = collections.defaultdict(list)  # by group
-        self.held_runs: dict[str, EndedRun] = {}  # delivered, not yet in a finished step
-        self.queue: collections.deque[tuple[MicroBatch, bool]] = collections.deque()
-        self.in_flight: dict[int, float] = {}  # cell -> dispatch time
-        self.chain: dict[int, Any] = {}  # cell -> ref of its runner's last ordered call
-        self.awake: set[int] = set()
-        self.stats = collections.defaultdict(list)
-        self.trained: dict[int, list[str]] = {}  # step -> run ids it trained
-        self.token_staleness = 0
-        self.t0 = time.monotonic()
-        self.spool = RunSpool(config.spool_dir) if config.spool_dir else None
-        self.spooled_trained: set[str] = set()  # trained run ids still in the spool
-        self.recovery = Recovery(self)
-        self.resumed_at: float | None = None
-        """Unix time a resume from a checkpoint finished (None: not resumed)."""
+        self.state = JobState(
+            config, policy, pool, ray if ray is not None else RayEdge(),
+            CellMachine(config.job, slots=[config.slots_per_cell] * len(pool.cells)),
+            version_offset=version_offset, observer=observer,
+            spool=RunSpool(config.spool_dir) if config.spool_dir else None)
+        """The job's state (``job_state.JobState``): what recovery, checkpoints and metrics take."""
+        self.recovery = Recovery(self.state, self)
         self.injector: Any = None
         """Optional ``tick(actuator)`` called once per loop (``faults.FaultInjector``)."""
         self.sync = broadcast_sync(config)  # BroadcastWeights, or None: the object store
 
     def now(self) -> float:
-        return time.monotonic() - self.t0
+        return self.state.now()
 
-    # -- read API --------------------------------------------------------------------------------
+    # -- the job's state, read by drivers, tools and tests ----------------------------------
+    @property
+    def cfg(self) -> CellJobConfig:
+        return self.state.cfg
+
+    @property
+    def pool(self) -> CellHost:
+        return self.state.pool
+
+    @property
+    def cells(self) -> list[Any]:
+        return self.state.cells
+
+    @property
+    def m(self) -> CellMachine:
+        """The cell machine (roles, live runs, ledger, event log ``m.log``)."""
+        return self.state.m
+
+    @property
+    def learners(self) -> ElasticLearnerGroup | None:
+        return self.state.learners
+
+    @property
+    def in_flight(self) -> dict[int, float]:
+        """Cells mid micro-batch → dispatch time."""
+        return self.state.in_flight
+
+    @property
+    def stats(self) -> dict[str, list[float]]:
+        return self.state.stats
+
+    @property
+    def trained(self) -> dict[int, list[str]]:
+        """Step → run ids it trained."""
+        return self.state.trained
+
+    @property
+    def resumed_at(self) -> float | None:
+        """Unix time a resume from a checkpoint finished (None: not resumed)."""
+        return self.state.resumed_at
+
     @property
     def faults(self) -> list[FaultRecord]:
         """One record per recovery so far (``RayResult.faults``)."""
-        return self.recovery.records
+        return self.state.faults
 
     @property
     def retired(self) -> set[int]:
         """Cells whose node was lost and that are not rebuilt yet."""
-        return self.recovery.retired
+        return self.state.retired
 
     def runs_ended(self) -> int:
         """Runs that ended so far (restarted ones count once)."""
@@ -134,13 +165,12 @@ class RayActuator:
             resume_from: a driver checkpoint (``checkpoint.CHECKPOINT`` in
                 ``CellJobConfig.checkpoint_dir``) of an earlier driver of this job.
         """
-        from ray_xlong.cells import checkpoint
-
+        s = self.state
         if resume_from is not None:
-            checkpoint.resume(self, resume_from)
+            checkpoint.resume(s, resume_from, recovery=self.recovery, actions=self)
         else:
-            if self.spool is not None:  # runs of an earlier job or attempt are not ours
-                self.spool.discard(self.spool.run_ids())
+            if s.spool is not None:  # runs of an earlier job or attempt are not ours
+                s.spool.discard(s.spool.run_ids())
             self.start(self.pool.initial_state, self.pool.initial_weights)
         self.act()
         while not self.m.done:
@@ -150,16 +180,17 @@ class RayActuator:
     def start(self, state: Any, weights: Any) -> None:
         """Every cell in rollout on ``weights``, learners asleep on ``state`` (refs of the
         learner state / weights the job starts from); runs are watched from now on."""
-        version = self.version_offset
+        s = self.state
+        version = s.version_offset
         calls = []
-        for cell in self.cells:
+        for cell in s.cells:
             calls += [cell.learner.set_xlong_state.remote(state), cell.learner.sleep.remote(),
                       cell.runner.resume.remote(weights, version)]
-        ray.get(calls)
+        s.ray.get(calls)
         # The state lives in the driver's object store, so it outlives any node (durable).
-        self.learners = ElasticLearnerGroup([c.learner for c in self.cells],
-                                            state=ray.get(state), durable=True)
-        self.t0 = time.monotonic()
+        s.learners = ElasticLearnerGroup([c.learner for c in s.cells],
+                                         state=s.ray.get(state), durable=True, ray=s.ray)
+        s.t0 = time.monotonic()
         for c in range(len(self.cells)):
             self.watch_runs(c)
 
@@ -176,33 +207,35 @@ class RayActuator:
         """Call a role method of ``cell``'s runner after its previous one (Ray does not order
         the calls of an actor with concurrency groups: a ``drain`` sent after a
         ``start_runs`` could run first and make it refuse the runs)."""
-        prev = self.chain.get(cell)
+        chain = self.state.chain
+        prev = chain.get(cell)
         ref = getattr(self.cells[cell].runner, method).remote(
             *args, *(() if prev is None else (prev,)))
-        self.chain[cell] = ref
+        chain[cell] = ref
         return ref
 
     def watch_runs(self, cell: int) -> None:
         """Ask ``cell``'s runner for the runs that end next (digests + a payload ref)."""
         digests, payload = self.cells[cell].runner.wait_ended.remote(self.cfg.poll_s)
-        self.pending[digests] = Pending("ended", cell, self.now(), payload)
+        self.state.pending[digests] = Pending("ended", cell, self.now(), payload)
 
     def poll(self) -> None:
         """Wait for at least one pending ref, handle every one that is ready."""
-        refs = list(self.pending)
-        ready, _ = ray.wait(refs, num_returns=1, timeout=self.cfg.poll_s)
+        s = self.state
+        refs = list(s.pending)
+        ready, _ = s.ray.wait(refs, num_returns=1, timeout=self.cfg.poll_s)
         if ready:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            ready, _ = s.ray.wait(refs, num_returns=len(refs), timeout=0)
         for ref in ready:
-            p = self.pending.pop(ref, None)
+            p = s.pending.pop(ref, None)
             if p is None:  # dropped by a recovery earlier in this loop
                 continue
             try:
-                value = ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                if not actor_lost(exc):
+                value = s.ray.get(ref)
+            except s.ray.Error as exc:
+                if not s.ray.lost(exc):
                     raise CellActorDied(f"cell {p.cell}: {p.kind} failed: {exc}") from exc
-                if p.kind == "micro" and actor_alive(self.cells[p.cell].learner):
+                if p.kind == "micro" and s.ray.alive(self.cells[p.cell].learner):
                     self._train_again(p.cell)  # its runs' payload went with a node
                     continue
                 self.recovery.recover(p.cell, f"{p.kind} failed")
@@ -217,17 +250,17 @@ class RayActuator:
                 payload_cell: int | None = None) -> None:
         """Runs that ended on ``cell``, each taken once; ``payload``: the ref of their
         episodes, processed on ``payload_cell`` (default: ``cell``)."""
-        where = cell if payload_cell is None else payload_cell
+        s, where = self.state, cell if payload_cell is None else payload_cell
         for d in digests:
             run = run_index(d.run_id)
-            if run not in self.m.live[cell]:  # delivered already (from the spool)
+            if run not in s.m.live[cell]:  # delivered already (from the spool)
                 continue
-            self.m.run_ended(cell, run, self.now())
+            s.m.run_ended(cell, run, s.now())
             ended = EndedRun(d, payload, where)
-            self.ended[run // self.cfg.job.runs_per_group].append(ended)
-            self.held_runs[d.run_id] = ended
-            if self.observer is not None:
-                self.observer.delivered(d)
+            s.ended[run // s.cfg.job.runs_per_group].append(ended)
+            s.held_runs[d.run_id] = ended
+            if s.observer is not None:
+                s.observer.delivered(d)
 
     def _on_started(self, p: Pending, value: Any) -> None:  # a refusal raised in ``poll``
         pass
@@ -236,7 +269,7 @@ class RayActuator:
         self.stats["switch_s"].append(self.now() - p.issued)
         if self.m.role[p.cell] is Role.SYNCING:  # sent back before its switch ended: the
             return                              # sync's end makes it ready
-        self.awake.add(p.cell)
+        self.state.awake.add(p.cell)
         self.ready(p.cell)
 
     def _on_sync(self, p: Pending, value: Any) -> None:
@@ -245,7 +278,7 @@ class RayActuator:
 
     def _on_micro(self, p: Pending, targets: int) -> None:
         now = self.now()
-        self.stats["micro_batch_s"].append(now - self.in_flight.pop(p.cell))
+        self.stats["micro_batch_s"].append(now - self.state.in_flight.pop(p.cell))
         self.stats["micro_batch_targets"].append(targets)
         self.m.micro_batch_done(p.cell, now)
 
@@ -262,21 +295,21 @@ class RayActuator:
         def apply(move, runs: list[int], was_training: bool) -> None:
             self._act(move, runs, was_training)
 
-        self.m.settle(self.policy, self.now, apply=apply, after_round=self.train,
+        self.m.settle(self.state.policy, self.now, apply=apply, after_round=self.train,
                       max_rounds=MAX_ROUNDS + 4 * len(self.cells))
 
     def _act(self, move, runs: list[int], was_training: bool) -> None:
-        cell, c = move.cell, self.cells[move.cell]
+        s, cell, c = self.state, move.cell, self.cells[move.cell]
         if isinstance(move, StartRuns):
             g = self.cfg.job.runs_per_group
             ref = self.rcall(cell, "start_runs", [self.cfg.work.spec(r, runs_per_group=g)
                                                   for r in runs])
-            self.pending[ref] = Pending("started", cell, self.now())  # a refusal fails loudly
+            s.pending[ref] = Pending("started", cell, self.now())  # a refusal fails loudly
         elif isinstance(move, Drain):
             self.rcall(cell, "drain")
         elif isinstance(move, (Reserve, StartTraining, JoinStep)):
             if isinstance(move, StartTraining):
-                self.learners.begin(move.step + self.version_offset)
+                s.learners.begin(move.step + s.version_offset)
             after = None
             if not was_training:
                 self.m.busy_until(cell, INF)
@@ -284,117 +317,117 @@ class RayActuator:
             if isinstance(move, Reserve):
                 ref = c.learner.wake_up.remote(None, after)
             else:
-                ref = self.learners.join(cell, after=after)
+                ref = s.learners.join(cell, after=after)
             if not was_training:
-                self.pending[ref] = Pending("switch", cell, self.now())
+                s.pending[ref] = Pending("switch", cell, self.now())
         elif isinstance(move, Sync):
             self.m.busy_until(cell, INF)
-            self.awake.discard(cell)
-            slept = self.learners.sleep(cell)
-            ref = self.rcall(cell, "resume", self.learners.weights_ref, self.learners.version,
-                             slept)
-            self.pending[ref] = Pending("sync", cell, self.now())
+            s.awake.discard(cell)
+            slept = s.learners.sleep(cell)
+            ref = self.rcall(cell, "resume", s.learners.weights_ref, s.learners.version, slept)
+            s.pending[ref] = Pending("sync", cell, self.now())
 
     # -- training ------------------------------------------------------------------------------
     def train(self) -> None:
         """Plan newly taken groups, feed awake members, finish a complete step."""
-        groups = self.m.take_groups()
+        s = self.state
+        groups = s.m.take_groups()
         if groups:
-            ended = [e for g in groups for e in self.ended.pop(g)]
-            micro, stats = plan_step([e.digest for e in ended], processor=self.cfg.processor,
-                                     max_tokens=self.cfg.learner.micro_batch_tokens)
-            self.queue.extend((mb, False) for mb in micro)
-            self.trained.setdefault(self.m.step, []).extend(e.digest.run_id for e in ended)
-            if self.observer is not None:
-                self.observer.taken(self.m.step, micro, stats)
-        if self.m.step < 0:
+            ended = [e for g in groups for e in s.ended.pop(g)]
+            micro, stats = plan_step([e.digest for e in ended], processor=s.cfg.processor,
+                                     max_tokens=s.cfg.learner.micro_batch_tokens)
+            s.queue.extend((mb, False) for mb in micro)
+            s.trained.setdefault(s.m.step, []).extend(e.digest.run_id for e in ended)
+            if s.observer is not None:
+                s.observer.taken(s.m.step, micro, stats)
+        if s.m.step < 0:
             return
         self._dispatch()
-        if self.queue or self.in_flight:
-            self.m.set_starved(False, self.now())
-        elif self.m.step_groups == self.cfg.job.batch_groups:
+        if s.queue or s.in_flight:
+            s.m.set_starved(False, s.now())
+        elif s.m.step_groups == s.cfg.job.batch_groups:
             self._finish_step()
         else:
-            self.m.set_starved(True, self.now())
+            s.m.set_starved(True, s.now())
 
     def _dispatch(self) -> None:
-        members = [c for c in self.learners.members
-                   if c in self.awake and c not in self.in_flight]
+        s = self.state
+        members = [c for c in s.learners.members if c in s.awake and c not in s.in_flight]
         for cell in members:
-            if not self.queue:
+            if not s.queue:
                 return
-            micro, counted = self.queue.popleft()
+            micro, counted = s.queue.popleft()
             if micro.min_version >= 0:
-                stale = self.m.step + self.version_offset - micro.min_version
-                self.token_staleness = max(self.token_staleness, stale)
-                if self.observer is not None:
-                    self.observer.staleness(self.m.step, stale)
-            payloads = list(dict.fromkeys(self.held_runs[r].payload for r in micro.run_ids))
-            ref = self.learners.submit(cell, micro, payloads=payloads, counted=counted)
-            self.in_flight[cell] = self.now()
-            self.pending[ref] = Pending("micro", cell, self.now())
+                stale = s.m.step + s.version_offset - micro.min_version
+                s.token_staleness = max(s.token_staleness, stale)
+                if s.observer is not None:
+                    s.observer.staleness(s.m.step, stale)
+            payloads = list(dict.fromkeys(s.held_runs[r].payload for r in micro.run_ids))
+            ref = s.learners.submit(cell, micro, payloads=payloads, counted=counted)
+            s.in_flight[cell] = s.now()
+            s.pending[ref] = Pending("micro", cell, s.now())
 
     def requeue(self, redo: list[MicroBatch]) -> list[MicroBatch]:
         """Put micro-batches a lost learner had trained back at the head of the queue (their
         weights are already counted). Returns them."""
-        self.queue.extendleft((mb, True) for mb in reversed(redo))
+        self.state.queue.extendleft((mb, True) for mb in reversed(redo))
         return redo
 
     def _train_again(self, cell: int) -> None:
         """``cell``'s micro-batch failed because its runs' payload was lost (with a node):
         queue it again; the recovery of that node rebuilds the payload from the spool."""
-        self.in_flight.pop(cell, None)
-        self.requeue([self.learners.take_back(cell)])
+        self.state.in_flight.pop(cell, None)
+        self.requeue([self.state.learners.take_back(cell)])
 
     def _finish_step(self) -> None:
-        if not self.learners.members:  # every member was lost; wait for one to (re)join
+        s = self.state
+        if not s.learners.members:  # every member was lost; wait for one to (re)join
             return
         t = time.perf_counter()
-        members = len(self.learners.members)
+        members = len(s.learners.members)
         try:
-            lost_after = self.learners.finish()
+            lost_after = s.learners.finish()
         except StepIncomplete as inc:
             self.requeue(inc.redo)
             for cell in inc.lost:
                 self.recovery.recover(cell, "lost during the step's reduce")
             return
-        self.stats["step_members"].append(members)
+        s.stats["step_members"].append(members)
         failed = list(lost_after) + self._push_weights()
-        self.stats["step_finish_s"].append(time.perf_counter() - t)
-        self._forget_trained(self.trained.get(self.m.step, []))
-        self.m.end_step(self.now())
+        s.stats["step_finish_s"].append(time.perf_counter() - t)
+        self._forget_trained(s.trained.get(s.m.step, []))
+        s.m.end_step(s.now())
         for cell in dict.fromkeys(failed):  # after end_step: the step is over for everyone
             self.recovery.recover(cell, "lost at the end of a step")  # rebuilt on new weights
-        every = self.cfg.checkpoint_every
-        if self.cfg.checkpoint_dir and (self.m.version % every == 0 or self.m.done):
-            from ray_xlong.cells import checkpoint
-
-            checkpoint.save(self)
+        every = s.cfg.checkpoint_every
+        if s.cfg.checkpoint_dir and (s.m.version % every == 0 or s.m.done):
+            checkpoint.save(s)
 
     def _push_weights(self) -> list[int]:
         """New weights to every engine not training (``CellJobConfig.weight_sync``); returns
         the cells whose runner (or the broadcast's sender) died."""
-        g = self.learners
-        targets = [c for c, role in enumerate(self.m.role)
-                   if role is not Role.TRAINING and c not in self.retired]
+        s, g = self.state, self.state.learners
+        targets = [c for c, role in enumerate(s.m.role)
+                   if role is not Role.TRAINING and c not in s.retired]
         if self.sync is None:
-            return self.pool.push_weights(targets, g.weights_ref, g.version)
-        out = self.sync.push(self.pool, sender=g.lead, targets=targets, version=g.version,
+            return s.pool.push_weights(targets, g.weights_ref, g.version)
+        out = self.sync.push(s.pool, sender=g.lead, targets=targets, version=g.version,
                              weights_ref=g.weights_ref)
         if targets:
-            self.stats["broadcast_fallbacks"].append(len(out.fallback))
+            s.stats["broadcast_fallbacks"].append(len(out.fallback))
         return list(out.lost)
 
     def _forget_trained(self, run_ids: Sequence[str]) -> None:
         """Runs of a finished step: drop their payload refs (the objects are freed) and their
         spool entries (now, or with the next checkpoint when checkpoints are on)."""
+        s = self.state
         for r in run_ids:
-            self.held_runs.pop(r, None)
-        self.spooled_trained.update(run_ids)
-        if self.spool is not None and not self.cfg.checkpoint_dir:
-            self.spool.discard(self.spooled_trained)
-            self.spooled_trained.clear()
+            s.held_runs.pop(r, None)
+        s.spooled_trained.update(run_ids)
+        if s.spool is not None and not s.cfg.checkpoint_dir:
+            s.spool.discard(s.spooled_trained)
+            s.spooled_trained.clear()
 
     def result(self) -> RayResult:
         """Measurements of the job so far (``metrics.job_result``)."""
-        return job_result(self)
+        return job_result(self.state)

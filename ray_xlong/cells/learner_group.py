@@ -33,12 +33,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-import ray
-
-from ray_xlong.cells.reduce import reduce_gradients
+from ray_xlong.cells.ray_edge import RayCalls, RayEdge, actor_alive, actor_lost
 from ray_xlong.trajectory import BatchStats, ProcessorConfig, group_advantages
 from ray_xlong.trajectory.per_run import (RunDigest, merge_stats, normalizer,
                                           plan_micro_batches)
+
+__all__ = ["ElasticLearnerGroup", "MicroBatch", "StepIncomplete", "actor_alive", "actor_lost",
+           "plan_step"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,19 +97,12 @@ class StepIncomplete(RuntimeError):
         self.lost, self.redo = lost, redo
 
 
-def actor_lost(exc: BaseException) -> bool:
-    """Whether ``exc`` (from ``ray.get``) means an actor died (directly or in a dependency)."""
-    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
-        return True
-    cause = getattr(exc, "cause", None)
-    return isinstance(cause, BaseException) and cause is not exc and actor_lost(cause)
-
-
 class ElasticLearnerGroup:
     """Learner actors by cell; a step's members change between micro-batches (module doc)."""
 
     def __init__(self, learners: Sequence[Any], *, state: Any = None,
-                 durable: bool = False, reduce: str = "leader") -> None:
+                 durable: bool = False, reduce: str = "leader",
+                 ray: RayCalls | None = None) -> None:
         """Args:
             learners: one built ``XLongLearner`` actor handle per cell, all at version 0 with
                 the same weights (or all loaded with ``state``).
@@ -119,22 +113,24 @@ class ElasticLearnerGroup:
                 it; without it the state lives on a member's node.
             reduce: how the members' gradients are summed (``reduce.SCHEMES``; ``leader``,
                 the cheapest measured: each member fetches one sum, not every gradient).
+            ray: the Ray calls (``ray_edge.RayEdge`` by default; an in-process fake in tests).
         """
+        self.ray = ray if ray is not None else RayEdge()
         self.reduce = reduce
         self.durable = durable
         if not learners:
             raise ValueError("ElasticLearnerGroup.learners: need at least one learner")
         self.learners = list(learners)
         if state is None and durable:
-            state = ray.get(self.learners[0].get_xlong_state.remote())
+            state = self.ray.get(self.learners[0].get_xlong_state.remote())
         if state is None:
             self.version = 0
             self.state_ref = self.learners[0].get_xlong_state.remote()
             self.weights_ref = self.learners[0].get_weights.remote()
         else:
             self.version = int(state["version"])
-            self.state_ref = ray.put(dict(state))
-            self.weights_ref = ray.put(state["weights"])
+            self.state_ref = self.ray.put(dict(state))
+            self.weights_ref = self.ray.put(state["weights"])
         self.learner_version = [self.version] * len(learners)
         self.members: list[int] = []
         self.held: dict[int, list[MicroBatch]] = {}
@@ -207,29 +203,29 @@ class ElasticLearnerGroup:
             raise RuntimeError(f"ElasticLearnerGroup.finish: step {self.step} has no members")
         members = sorted(self.members)
         grads = {c: self.learners[c].take_gradients.remote() for c in members}
-        parts = reduce_gradients(self.banked + [grads[c] for c in members], scheme=self.reduce)
+        parts = self.ray.reduce(self.banked + [grads[c] for c in members], scheme=self.reduce)
         new = self.version + 1
         applied = {c: self.learners[c].apply_step.remote(parts, self.total, new)
                    for c in members}
         dead, done = [], []
         for c in members:
             try:
-                ray.get(applied[c])
+                self.ray.get(applied[c])
                 done.append(c)
-            except ray.exceptions.RayError as exc:
-                if not actor_lost(exc):
+            except self.ray.Error as exc:
+                if not self.ray.lost(exc):
                     raise
                 dead.append(c)
         if not done:
             # Nobody applied the update. Keep every gradient that survived (in the driver's
             # object store: its node may go next), redo the micro-batches of the lost ones.
-            kept = {c: _gradient(grads[c]) for c in members}
+            kept = {c: self._gradient(grads[c]) for c in members}
             lost = [c for c in members if kept[c] is None]
-            gone = [c for c in members if c in dead and not actor_alive(self.learners[c])]
+            gone = [c for c in members if c in dead and not self.ray.alive(self.learners[c])]
             if not lost and not gone:
                 raise RuntimeError("ElasticLearnerGroup.finish: every member's update failed "
                                    "but no member or gradient was lost")
-            self.banked += [ray.put(kept[c]) for c in members if kept[c] is not None]
+            self.banked += [self.ray.put(kept[c]) for c in members if kept[c] is not None]
             redo = [m for c in lost for m in self.held.get(c, [])]
             self.held = {c: [] for c in members if c not in gone and c not in lost}
             self.members = [c for c in members if c not in gone and c not in lost]
@@ -242,15 +238,16 @@ class ElasticLearnerGroup:
             lead = self.learners[c]
             try:
                 if self.durable:
-                    state = ray.get(lead.get_xlong_state.remote())
-                    self.state_ref, self.weights_ref = ray.put(state), ray.put(state["weights"])
+                    state = self.ray.get(lead.get_xlong_state.remote())
+                    self.state_ref = self.ray.put(state)
+                    self.weights_ref = self.ray.put(state["weights"])
                 else:
                     self.state_ref = lead.get_xlong_state.remote()
                     self.weights_ref = lead.get_weights.remote()
                 self.lead = c
                 break
-            except ray.exceptions.RayError as exc:
-                if not actor_lost(exc):
+            except self.ray.Error as exc:
+                if not self.ray.lost(exc):
                     raise
                 self.learner_version[c] = -1
                 dead.append(c)
@@ -265,25 +262,11 @@ class ElasticLearnerGroup:
         """Put ``cell``'s learner to sleep (it lends memory to the engine). Returns a ref."""
         return self.learners[cell].sleep.remote()
 
-
-def _gradient(ref: Any) -> Any:
-    """The value of a ``take_gradients`` ref, or None when its learner died before it."""
-    try:
-        return ray.get(ref, timeout=120)
-    except ray.exceptions.RayError as exc:
-        if actor_lost(exc):
-            return None
-        raise
-
-
-def actor_alive(actor: Any) -> bool:
-    """False once Ray reports ``actor`` dead (a busy actor counts as alive)."""
-    try:
-        ray.get(actor.__ray_ready__.remote(), timeout=2.0)
-        return True
-    except ray.exceptions.GetTimeoutError:
-        return True
-    except ray.exceptions.RayError as exc:
-        if actor_lost(exc):
-            return False
-        raise
+    def _gradient(self, ref: Any) -> Any:
+        """The value of a ``take_gradients`` ref, or None when its learner died before it."""
+        try:
+            return self.ray.get(ref, timeout=120)
+        except self.ray.Error as exc:
+            if self.ray.lost(exc):
+                return None
+            raise

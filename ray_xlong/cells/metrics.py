@@ -18,7 +18,7 @@ from ray_xlong.cells.runs import run_key
 from ray_xlong.scheduling import Event
 
 if TYPE_CHECKING:
-    from ray_xlong.cells.actuator import RayActuator
+    from ray_xlong.cells.job_state import JobState
     from ray_xlong.cells.records import FaultRecord
 
 
@@ -78,19 +78,19 @@ class RayResult:
         return out
 
 
-def job_result(act: RayActuator) -> RayResult:
-    """The measurements of an actuator's job so far (its machine's ledger and log, its
-    timings, trained runs and recoveries)."""
-    led = act.m.ledger
+def job_result(job: JobState) -> RayResult:
+    """The measurements of a job so far (its machine's ledger and log, its timings, trained
+    runs and recoveries)."""
+    led = job.m.ledger
     return RayResult(
-        mode=act.policy.name, makespan_s=act.now(), cells=len(act.cells),
-        slots_per_cell=act.cfg.slots_per_cell,
+        mode=job.policy.name, makespan_s=job.now(), cells=len(job.cells),
+        slots_per_cell=job.cfg.slots_per_cell,
         staleness=tuple(s - v for s, v in zip(led.trained_step, led.group_version)),
-        token_staleness_max=act.token_staleness, trained_step=tuple(led.trained_step),
-        trained_runs=tuple(tuple(act.trained.get(s, ())) for s in range(act.m.version)),
-        events=tuple(act.m.log), timings={k: tuple(v) for k, v in act.stats.items()},
-        placement_groups_created=act.pool.placement_groups_created,
-        faults=tuple(act.faults))
+        token_staleness_max=job.token_staleness, trained_step=tuple(led.trained_step),
+        trained_runs=tuple(tuple(job.trained.get(s, ())) for s in range(job.m.version)),
+        events=tuple(job.m.log), timings={k: tuple(v) for k, v in job.stats.items()},
+        placement_groups_created=job.pool.placement_groups_created,
+        faults=tuple(job.faults))
 
 
 def check_invariants(result: RayResult, *, staleness_bound: int) -> list[str]:

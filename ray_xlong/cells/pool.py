@@ -32,14 +32,23 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_xlong.cells.sharded import kill, start_sharded_cell
-from ray_xlong.cells.sharding import ShardingError
+from ray_xlong.cells.ray_edge import actor_lost
+from ray_xlong.cells.sharded import BatchOf, ShardedCell, kill, start_sharded_cell
+from ray_xlong.cells.sharding import ShardingError, ShardingSettings
+
+if TYPE_CHECKING:  # config.py imports this module
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
+
+    from ray_xlong.cells.config import LearnerSettings
+    from ray_xlong.cells.engines import EngineLayout
+    from ray_xlong.cells.protocols import Learner, Runner
 
 
 STRATEGIES = ("STRICT_SPREAD", "PACK", "SPREAD", "STRICT_PACK")
@@ -122,31 +131,29 @@ class CellActors:
     """The two actor classes a cell hosts and their constructor arguments. The cell runtime
     does not know them: the RLlib adapter hands them in (``ray_xlong.rllib.cell_actors``).
 
-    The runner must answer the role calls the actuator makes (``start_runs`` / ``drain`` /
-    ``suspend`` / ``resume`` with trailing ``after`` refs, ``wait_ended`` in a ``poll``
-    concurrency group, ``num_live_runs``); the learner the elastic step calls (``build``,
-    ``accumulate_runs``, ``take_gradients``, ``apply_step``, ``get_xlong_state`` /
-    ``set_xlong_state``, ``get_weights``, ``wake_up``, ``sleep``).
+    The runner class keeps the :class:`~ray_xlong.cells.protocols.Runner` contract (role calls
+    with trailing ``after`` refs, ``wait_ended`` in a ``poll`` concurrency group), the learner
+    class the :class:`~ray_xlong.cells.protocols.Learner` contract (the elastic step's calls).
     """
 
-    runner_class: type
+    runner_class: type[Runner]
     """Built as ``runner_class(cell=index, **runner_kwargs)`` (half the bundle's CPUs, its
     logical GPUs)."""
     runner_kwargs: Mapping[str, Any]
     """Constructor arguments of every cell's runner."""
-    learner_class: type
+    learner_class: type[Learner]
     """Built as ``learner_class(**learner_kwargs)``, then ``build()``."""
     learner_kwargs: Mapping[str, Any]
     """Constructor arguments of every cell's learner."""
-    learner_settings: Any = None
-    """``LearnerSettings`` of a sharded learner (with ``sharding``)."""
-    sharding: Any = None
-    """``ShardingSettings``: with ``ranks_per_cell`` > 1 or ``device='cuda'`` a cell's learner
-    is a ``sharded.ShardedCell`` of ranks over its bundles instead of ``learner_class``."""
-    batch_of: Any = None
-    """A sharded learner's Learner connector pipeline (``sharded.BatchOf``; the same pieces
-    ``learner_class`` runs)."""
-    engines: Any = None
+    learner_settings: LearnerSettings | None = None
+    """What a sharded learner trains (with ``sharding``)."""
+    sharding: ShardingSettings | None = None
+    """With ``ranks_per_cell`` > 1 or ``device='cuda'`` a cell's learner is a
+    ``sharded.ShardedCell`` of ranks over its bundles instead of ``learner_class``."""
+    batch_of: BatchOf | None = None
+    """A sharded learner's Learner connector pipeline (the same pieces ``learner_class``
+    runs)."""
+    engines: EngineLayout | None = None
     """The runner's ``engines.EngineLayout`` (placement resolved) when its engine factory is a
     ``CellEngines``: checked against the layout before anything starts. None: one engine, or a
     factory of the user's own (in the runner's process)."""
@@ -171,12 +178,13 @@ class Cell:
 
     index: int
     """Cell index."""
-    pg: Any
+    pg: PlacementGroup
     """The placement group (kept for the whole job)."""
-    runner: Any
-    """The runner actor (``CellActors.runner_class``)."""
-    learner: Any
-    """The learner actor (``CellActors.learner_class``, built)."""
+    runner: ActorHandle
+    """The runner actor (``CellActors.runner_class``: a ``protocols.Runner``)."""
+    learner: ActorHandle | ShardedCell
+    """The learner actor (``CellActors.learner_class``, built: a ``protocols.Learner``), or the
+    ranks of a sharded one."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -224,8 +232,6 @@ class CellPool:
     def push_weights(self, cells: Sequence[int], weights: Any, version: int) -> list[int]:
         """Load ``weights`` (a ref) at ``version`` into the engines of ``cells`` (each runner
         applies them between engine batches) and wait; returns the cells whose runner died."""
-        from ray_xlong.cells.learner_group import actor_lost
-
         pushes = {c: self.cells[c].runner.set_weights.remote(weights, version) for c in cells}
         failed = []
         for cell, ref in pushes.items():
@@ -246,6 +252,11 @@ class CellPool:
             return False
         alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         return all(node in alive for node in table.get("bundles_to_node_id", {}).values())
+
+    def stop_actors(self, cell: int) -> None:
+        """Stop ``cell``'s runner and learner for good (every rank of a sharded learner)."""
+        for actor in (self.cells[cell].runner, self.cells[cell].learner):
+            kill(actor)
 
     def shutdown(self) -> None:
         """Stop the actors and remove the placement groups."""

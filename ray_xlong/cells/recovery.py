@@ -1,5 +1,7 @@
 """Recovery of a job on cells from actor and node loss (DESIGN.md invariant 9), apart from the
-actuator's loop: the actuator owns the state, :class:`Recovery` rebuilds it after a loss.
+actuator's loop: the actuator owns the job state (``job_state.JobState``), :class:`Recovery`
+rebuilds it after a loss, asking the actuator only for its few actions (``protocols.JobActions``)
+and Ray only through ``JobState.ray`` (so a fake runs it without Ray).
 
 ```
 a pending ref failed because an actor died ─► recover(cell)
@@ -14,86 +16,95 @@ a pending ref failed because an actor died ─► recover(cell)
 ```
 
 An actor error that is not a death, or a death with no recovery (the last cell, or runs whose
-payload is gone without a spool), raises :class:`~ray_xlong.cells.actuator.CellActorDied`.
+payload is gone without a spool), raises :class:`~ray_xlong.cells.records.CellActorDied`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import ray
-
-from ray_xlong.cells.actuator import INF
+from ray_xlong.cells.job_state import INF, JobState
+from ray_xlong.cells.learner_group import MicroBatch
+from ray_xlong.cells.protocols import JobActions
 from ray_xlong.cells.records import CellActorDied, EndedRun, FaultRecord, Pending
-from ray_xlong.cells.learner_group import MicroBatch, actor_alive, actor_lost
 from ray_xlong.cells.runs import run_key
-from ray_xlong.cells.sharded import kill
 from ray_xlong.scheduling import Event, Role
-
-if TYPE_CHECKING:
-    from ray_xlong.cells.actuator import RayActuator
 
 RUNNER_KINDS = ("ended", "started", "sync", "switch")  # pending kinds a runner death voids
 LEARNER_KINDS = ("micro", "switch", "sync")  # pending kinds a learner death invalidates
 
 
 class Recovery:
-    """Rebuilds an actuator's cells after a loss (module docstring); keeps the records."""
+    """Rebuilds a job's cells after a loss (module docstring); records each recovery in
+    ``JobState.faults``.
 
-    def __init__(self, act: RayActuator) -> None:
-        self.act = act
-        self.records: list[FaultRecord] = []
-        """One record per recovery (``RayResult.faults``)."""
-        self.retired: set[int] = set()
-        """Cells whose node was lost, not yet rebuilt."""
+    Args:
+        state: the job's state (changed in place).
+        actions: the actuator's actions (deliver, requeue, rcall, watch_runs).
+    """
+
+    def __init__(self, state: JobState, actions: JobActions) -> None:
+        self.state, self.actions = state, actions
+
+    @property
+    def records(self) -> list[FaultRecord]:
+        """One record per recovery (``JobState.faults``)."""
+        return self.state.faults
+
+    @property
+    def retired(self) -> set[int]:
+        """Cells whose node was lost, not yet rebuilt (``JobState.retired``)."""
+        return self.state.retired
 
     def _record(self, kind: str, cell: int, t: float, t0: float, *, why: str = "",
                 rerun: int = 0, from_spool: int = 0, redone: int = 0,
                 retired: bool = False) -> None:
-        self.records.append(FaultRecord(kind, cell, why, t, time.perf_counter() - t0,
-                                        runs_rerun=rerun, runs_from_spool=from_spool,
-                                        micro_batches_redone=redone, retired=retired))
+        self.state.faults.append(FaultRecord(kind, cell, why, t, time.perf_counter() - t0,
+                                             runs_rerun=rerun, runs_from_spool=from_spool,
+                                             micro_batches_redone=redone, retired=retired))
 
     def drop_pending(self, cell: int, kinds: tuple[str, ...]) -> set[str]:
         """Forget pending refs of ``cell`` of these kinds (runs a ``wait_ended`` already
         returned are delivered first); returns the kinds dropped."""
-        act = self.act
-        drop = [r for r, p in act.pending.items() if p.cell == cell and p.kind in kinds]
-        ended = [r for r in drop if act.pending[r].kind == "ended"]
+        s = self.state
+        drop = [r for r, p in s.pending.items() if p.cell == cell and p.kind in kinds]
+        ended = [r for r in drop if s.pending[r].kind == "ended"]
         if ended:
-            ready, _ = ray.wait(ended, num_returns=len(ended), timeout=0)
+            ready, _ = s.ray.wait(ended, num_returns=len(ended), timeout=0)
             for ref in ready:
                 try:
-                    act.deliver(cell, ray.get(ref), act.pending[ref].payload)
-                except ray.exceptions.RayError as exc:
-                    if not actor_lost(exc):
+                    self.actions.deliver(cell, s.ray.get(ref), s.pending[ref].payload)
+                except s.ray.Error as exc:
+                    if not s.ray.lost(exc):
                         raise
-        return {act.pending.pop(r).kind for r in drop}
+        return {s.pending.pop(r).kind for r in drop}
 
     def recover(self, cell: int, why: str, *, attempt: int = 0) -> None:
         """An actor of ``cell`` died: rebuild in place, or retire the cell when its placement
         group lost its node. A loss during the rebuild starts it again (three attempts, then
         the cell is retired)."""
-        if cell in self.retired:
+        s = self.state
+        if cell in s.retired:
             return
-        self.act.chain.pop(cell, None)  # a chained call on a dead actor's ref fails forever
+        s.chain.pop(cell, None)  # a chained call on a dead actor's ref fails forever
         if attempt >= 3:
             self.retire(cell, f"{why}; rebuild failed {attempt} times", time.perf_counter())
             return
         try:
             self._recover_once(cell, why)
-        except ray.exceptions.RayError as exc:
-            if not actor_lost(exc):
+        except s.ray.Error as exc:
+            if not s.ray.lost(exc):
                 raise
             self.recover(cell, f"{why}; lost again while rebuilding", attempt=attempt + 1)
 
     def _dead(self, cell: int, why: str) -> tuple[bool, bool]:
         """(runner dead, learner dead); looks twice, since a failure that came through a
         dependency may arrive before Ray marks the actor."""
-        c = self.act.cells[cell]
+        s = self.state
+        c = s.cells[cell]
         for look in range(2):
-            runner_dead, learner_dead = not actor_alive(c.runner), not actor_alive(c.learner)
+            runner_dead, learner_dead = not s.ray.alive(c.runner), not s.ray.alive(c.learner)
             if runner_dead or learner_dead:
                 return runner_dead, learner_dead
             if look == 0:
@@ -101,14 +112,14 @@ class Recovery:
         raise CellActorDied(f"cell {cell}: {why}, but both actors are alive")
 
     def _recover_once(self, cell: int, why: str) -> None:
-        act = self.act
-        t0, now = time.perf_counter(), act.now()
+        s = self.state
+        t0, now = time.perf_counter(), s.now()
         runner_dead, learner_dead = self._dead(cell, why)
-        if not act.pool.placed(cell):
+        if not s.pool.placed(cell):
             self.retire(cell, why, t0)
             return
         what = "both" if runner_dead and learner_dead else "runner" if runner_dead else "learner"
-        act.m.cell_lost(cell, what, now)
+        s.m.cell_lost(cell, what, now)
         dropped = set()
         if runner_dead:
             dropped |= self.drop_pending(cell, RUNNER_KINDS)
@@ -117,19 +128,19 @@ class Recovery:
         redone = from_spool = rerun = 0
         try:
             if learner_dead:
-                redone = len(act.requeue(self.new_learner(cell)))
-                act.in_flight.pop(cell, None)
-                act.awake.discard(cell)
+                redone = len(self.actions.requeue(self.new_learner(cell)))
+                s.in_flight.pop(cell, None)
+                s.awake.discard(cell)
             if runner_dead:
-                runner = act.pool.replace(cell, "runner")
-                act.chain.pop(cell, None)
-                ray.get(runner.resume.remote(act.learners.weights_ref, act.learners.version))
+                runner = s.pool.replace(cell, "runner")
+                s.chain.pop(cell, None)
+                s.ray.get(runner.resume.remote(s.learners.weights_ref, s.learners.version))
                 from_spool, rerun = self.take_over_runs(cell)
             self._restore_role(cell, dropped, runner_dead, learner_dead)
         except TimeoutError:  # the group lost its node while we rebuilt: retire instead
             self.retire(cell, why, t0)
             return
-        act.m.log.append(Event(act.now(), "cell_rebuilt", cell=cell))
+        s.m.log.append(Event(s.now(), "cell_rebuilt", cell=cell))
         self._record(what, cell, now, t0, why=why, rerun=rerun, from_spool=from_spool,
                      redone=redone)
 
@@ -137,70 +148,70 @@ class Recovery:
         """A fresh runner on ``cell``: its live runs that ended into the spool are delivered
         (processed by that runner), the others start again on it; it is watched. Returns
         (from the spool, restarted)."""
-        act = self.act
-        spooled = self.from_spool(cell, act.cells[cell].runner, payload_cell=cell)
-        act.watch_runs(cell)
-        again = list(act.m.live[cell])
+        s = self.state
+        spooled = self.from_spool(cell, s.cells[cell].runner, payload_cell=cell)
+        self.actions.watch_runs(cell)
+        again = list(s.m.live[cell])
         if again:
-            g = act.cfg.job.runs_per_group
-            ray.get(act.cells[cell].runner.start_runs.remote(
-                [act.cfg.work.spec(r, runs_per_group=g) for r in again]))
+            g = s.cfg.job.runs_per_group
+            s.ray.get(s.cells[cell].runner.start_runs.remote(
+                [s.cfg.work.spec(r, runs_per_group=g) for r in again]))
             for run in again:
-                act.m.restart_run(cell, run, act.now())
+                s.m.restart_run(cell, run, s.now())
         return spooled, len(again)
 
     def from_spool(self, cell: int, runner: Any, *, payload_cell: int) -> int:
         """Deliver the runs still live on ``cell`` that ended into the spool (they ended,
         unreported), processed by ``runner`` (of ``payload_cell``). Returns how many."""
-        act = self.act
-        if act.spool is None or not act.m.live[cell]:
+        s = self.state
+        if s.spool is None or not s.m.live[cell]:
             return 0
-        ids = sorted({run_key(r) for r in act.m.live[cell]} & act.spool.run_ids())
+        ids = sorted({run_key(r) for r in s.m.live[cell]} & s.spool.run_ids())
         if not ids:
             return 0
         digests, payload = runner.process_spooled.remote(ids)
-        act.deliver(cell, ray.get(digests), payload, payload_cell=payload_cell)
+        self.actions.deliver(cell, s.ray.get(digests), payload, payload_cell=payload_cell)
         return len(ids)
 
     def new_learner(self, cell: int, *, timeout_s: float = 120.0) -> list[MicroBatch]:
         """Start ``cell``'s learner again, asleep on the group's current state; returns the
         micro-batches the lost one had trained this step (to requeue)."""
-        act = self.act
-        learner = act.pool.replace(cell, "learner", timeout_s=timeout_s)
-        ray.get([learner.set_xlong_state.remote(act.learners.state_ref),
-                 learner.sleep.remote()])
-        redo = act.learners.replace(cell, learner)
-        act.learners.learner_version[cell] = act.learners.version
+        s = self.state
+        learner = s.pool.replace(cell, "learner", timeout_s=timeout_s)
+        s.ray.get([learner.set_xlong_state.remote(s.learners.state_ref),
+                   learner.sleep.remote()])
+        redo = s.learners.replace(cell, learner)
+        s.learners.learner_version[cell] = s.learners.version
         return redo
 
     def _restore_role(self, cell: int, dropped: set[str], runner_new: bool,
                       learner_new: bool) -> None:
         """Put the cell's actors back into what its role expects."""
-        act = self.act
-        c, role = act.cells[cell], act.m.role[cell]
+        s = self.state
+        c, role = s.cells[cell], s.m.role[cell]
         if role is Role.DRAINING and runner_new:
-            act.rcall(cell, "drain")
+            self.actions.rcall(cell, "drain")
         elif role is Role.TRAINING:
-            after = act.rcall(cell, "suspend") if runner_new else None
-            in_step = act.m.step >= 0 and act.m.step_of[cell] == act.m.step
+            after = self.actions.rcall(cell, "suspend") if runner_new else None
+            in_step = s.m.step >= 0 and s.m.step_of[cell] == s.m.step
             if "switch" in dropped or learner_new:
-                act.in_flight.pop(cell, None)
-                act.awake.discard(cell)
+                s.in_flight.pop(cell, None)
+                s.awake.discard(cell)
                 if in_step:
-                    if cell in act.learners.members:
-                        act.requeue(act.learners.replace(cell, c.learner))
-                    ref = act.learners.join(cell, after=after)
+                    if cell in s.learners.members:
+                        self.actions.requeue(s.learners.replace(cell, c.learner))
+                    ref = s.learners.join(cell, after=after)
                 else:
-                    ref = c.learner.wake_up.remote(act.learners.state_ref, after)
-                act.m.busy_until(cell, INF)
-                act.pending[ref] = Pending("switch", cell, act.now())
+                    ref = c.learner.wake_up.remote(s.learners.state_ref, after)
+                s.m.busy_until(cell, INF)
+                s.pending[ref] = Pending("switch", cell, s.now())
         elif role is Role.SYNCING and ("sync" in dropped or runner_new):
-            ref = act.rcall(cell, "resume", act.learners.weights_ref, act.learners.version)
-            act.pending[ref] = Pending("sync", cell, act.now())
+            ref = self.actions.rcall(cell, "resume", s.learners.weights_ref, s.learners.version)
+            s.pending[ref] = Pending("sync", cell, s.now())
 
     def _helper(self, cell: int) -> int:
         """A cell other than ``cell`` whose runner can process spooled runs."""
-        for other in range(len(self.act.cells)):
+        for other in range(len(self.state.cells)):
             if other != cell and other not in self.retired:
                 return other
         raise CellActorDied(f"cell {cell}: node lost and no other cell is left")
@@ -208,24 +219,23 @@ class Recovery:
     def retire(self, cell: int, why: str, t0: float) -> None:
         """``cell``'s node is gone: deliver what it spooled, restart its live runs elsewhere,
         rebuild the payloads of its ended untrained runs, requeue its micro-batches."""
-        act = self.act
-        now = act.now()
-        act.m.cell_lost(cell, "node", now)
+        s = self.state
+        now = s.now()
+        s.m.cell_lost(cell, "node", now)
         helper = self._helper(cell)
-        spooled = self.from_spool(cell, act.cells[helper].runner, payload_cell=helper)
-        for actor in (act.cells[cell].runner, act.cells[cell].learner):
-            kill(actor)  # a survivor on another node must not run on
-        act.chain.pop(cell, None)
+        spooled = self.from_spool(cell, s.cells[helper].runner, payload_cell=helper)
+        s.pool.stop_actors(cell)  # a survivor on another node must not run on
+        s.chain.pop(cell, None)
         try:
-            orphans = act.m.retire_cell(cell, act.now())
+            orphans = s.m.retire_cell(cell, s.now())
         except Exception as exc:  # noqa: BLE001 - the last cell: nothing to continue on
             raise CellActorDied(f"cell {cell}: node lost ({why}) and it cannot retire: "
                                 f"{exc}") from exc
         self.drop_pending(cell, RUNNER_KINDS + LEARNER_KINDS)
         self._rebuild_payloads(cell, helper)
-        redo = act.requeue(act.learners.replace(cell, act.cells[cell].learner))
-        act.in_flight.pop(cell, None)
-        act.awake.discard(cell)
+        redo = self.actions.requeue(s.learners.replace(cell, s.cells[cell].learner))
+        s.in_flight.pop(cell, None)
+        s.awake.discard(cell)
         self.retired.add(cell)
         self._record("node", cell, now, t0, why=why, rerun=len(orphans),
                      from_spool=spooled, redone=len(redo), retired=True)
@@ -233,34 +243,34 @@ class Recovery:
     def _rebuild_payloads(self, cell: int, helper: int) -> None:
         """Runs that ended on ``cell`` and are not trained lost their payload with its node:
         the ``helper`` cell's runner processes them again from the spool."""
-        act = self.act
-        lost = sorted(r for r, e in act.held_runs.items() if e.cell == cell)
+        s = self.state
+        lost = sorted(r for r, e in s.held_runs.items() if e.cell == cell)
         if not lost:
             return
-        if act.spool is None:
+        if s.spool is None:
             raise CellActorDied(f"cell {cell}: node lost with runs {lost} ended on it and not "
                                 f"trained yet; without a spool (spool_dir) they are gone")
-        digests_ref, payload = act.cells[helper].runner.process_spooled.remote(lost)
-        fresh = {d.run_id: EndedRun(d, payload, helper) for d in ray.get(digests_ref)}
-        act.held_runs.update(fresh)
-        for group, runs in act.ended.items():
-            act.ended[group] = [fresh.get(e.digest.run_id, e) for e in runs]
+        digests_ref, payload = s.cells[helper].runner.process_spooled.remote(lost)
+        fresh = {d.run_id: EndedRun(d, payload, helper) for d in s.ray.get(digests_ref)}
+        s.held_runs.update(fresh)
+        for group, runs in s.ended.items():
+            s.ended[group] = [fresh.get(e.digest.run_id, e) for e in runs]
 
     def check_retired(self) -> None:
         """Rebuild retired cells whose placement group Ray has placed again."""
-        act = self.act
+        s = self.state
         for cell in sorted(self.retired):
-            if not act.pool.placed(cell):
+            if not s.pool.placed(cell):
                 continue
-            t0, start = time.perf_counter(), act.now()
+            t0, start = time.perf_counter(), s.now()
             try:
                 self.new_learner(cell, timeout_s=30.0)
-                runner = act.pool.replace(cell, "runner", timeout_s=30.0)
-                act.chain.pop(cell, None)
+                runner = s.pool.replace(cell, "runner", timeout_s=30.0)
+                s.chain.pop(cell, None)
             except TimeoutError:
                 continue
-            ray.get(runner.resume.remote(act.learners.weights_ref, act.learners.version))
+            s.ray.get(runner.resume.remote(s.learners.weights_ref, s.learners.version))
             self.retired.discard(cell)
-            act.m.rebuild_cell(cell, act.now())
-            act.watch_runs(cell)
+            s.m.rebuild_cell(cell, s.now())
+            self.actions.watch_runs(cell)
             self._record("node_returned", cell, start, t0)

@@ -387,24 +387,43 @@ class _Method:
         return _first_task().remote(refs) if self.wait_all else refs[0]
 
 
-class ShardedCell:
-    """A cell's Learner ranks behind the one-learner interface (``CellActors`` contract):
-    ``accumulate_runs`` / ``accumulate`` / ``take_gradients`` / ``apply_step`` / ``get_weights`` /
-    ``get_xlong_state`` / ``set_xlong_state`` / ``wake_up`` / ``sleep`` / ``build`` go to every
-    rank; the ref returned is rank 0's (for state and gradients, which rank 0 alone holds
-    whole) or one that fails when any rank failed (steps, loads)."""
+class _EveryRank:
+    """A Learner call of a :class:`ShardedCell` (a descriptor named after the method): it goes
+    to every rank; the ref back is rank 0's (``rank0``: state and gradients, which rank 0
+    alone holds whole) or one that fails when any rank failed (steps, loads)."""
 
-    _RANK0 = ("take_gradients", "get_weights", "get_xlong_state")
-    _ALL = ("accumulate", "accumulate_runs", "apply_step", "set_xlong_state", "wake_up",
-            "sleep", "build", "xlong_metrics", "take_step_stats", "send_weights",
-            "__ray_ready__")
+    def __init__(self, *, rank0: bool = False) -> None:
+        self.wait_all = not rank0
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, cell: ShardedCell | None, owner: type | None = None) -> Any:
+        return self if cell is None else _Method(cell.ranks, self.name, wait_all=self.wait_all)
+
+
+class ShardedCell:
+    """A cell's Learner ranks behind the one-learner interface: every ``protocols.Learner``
+    call (and ``xlong_metrics``, ``__ray_ready__``) goes to every rank (:class:`_EveryRank`)."""
+
+    take_gradients = _EveryRank(rank0=True)
+    get_weights = _EveryRank(rank0=True)
+    get_xlong_state = _EveryRank(rank0=True)
+    build = _EveryRank()
+    accumulate = _EveryRank()
+    accumulate_runs = _EveryRank()
+    apply_step = _EveryRank()
+    send_weights = _EveryRank()
+    set_xlong_state = _EveryRank()
+    wake_up = _EveryRank()
+    sleep = _EveryRank()
+    take_step_stats = _EveryRank()
+    xlong_metrics = _EveryRank()
+    __ray_ready__ = _EveryRank()
 
     def __init__(self, ranks: Sequence[Any]) -> None:
         self.ranks = list(ranks)
-        for name in self._RANK0:
-            setattr(self, name, _Method(self.ranks, name, wait_all=False))
-        for name in self._ALL:
-            setattr(self, name, _Method(self.ranks, name, wait_all=True))
 
     def __len__(self) -> int:
         return len(self.ranks)

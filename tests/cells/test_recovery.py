@@ -1,0 +1,174 @@
+"""Recovery (``cells/recovery.py``) driven by the real actuator on in-process fakes, no Ray:
+a runner lost (its spooled runs delivered, its live runs restarted in place), a learner lost
+mid-step (its micro-batches requeued, the step's update unchanged: nothing trained twice) or as
+the reduce begins (the survivors' gradients banked), a node lost (the cell retired, its live runs restarted on other cells, the payloads of its ended
+untrained runs rebuilt from the spool; the cell rebuilt once its node is back), and an actor
+error that is not a death (``CellActorDied``).
+
+Every job must end with the cell invariants holding (``metrics.check_invariants``) and every
+ended run in exactly one applied update (the fake learners' ledger).
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from fakes import FakeJob, OnceWhen, fake_config
+from ray_xlong.cells.metrics import check_invariants
+from ray_xlong.cells.records import CellActorDied
+from ray_xlong.cells.runs import run_index
+
+
+@pytest.fixture(autouse=True)
+def no_ray():
+    yield
+    assert not ray.is_initialized(), "a unit test of the cell runtime started Ray"
+
+
+def audit(job: FakeJob, result, *, bound: int = 1) -> None:
+    """Invariants hold; every trained run is in exactly one applied update, every member
+    applied the same update."""
+    assert check_invariants(result, staleness_bound=bound) == []
+    trained = [r for step in result.trained_runs for r in step]
+    assert len(trained) == job.cfg.job.total_runs
+    assert job.ledger.trained() == {r: 1 for r in trained}
+    assert job.ledger.consistent()
+
+
+def test_a_job_on_fakes_trains_every_run_once(tmp_path):
+    job = FakeJob.make(fake_config(tmp_path))
+    result = job.actuator().run()
+    audit(job, result)
+    assert result.faults == () and job.pool.actors_replaced == 0
+
+
+def _kill_runner_after_a_spooled_end(act):
+    """Once 2 runs ended, the first cell in rollout with 2+ live runs: end one into the spool
+    (unreported), kill the runner. Returns (cell, runs spooled, runs to restart)."""
+    if act.runs_ended() < 2:
+        return None
+    for cell in range(len(act.cells)):
+        runner = act.pool.runner(cell)
+        if act.m.role[cell].value == "rollout" and len(runner.live) >= 2:
+            runner.end_now(sorted(runner.live)[0])
+            spooled = {r.run_id for r in runner.ended}
+            act.cells[cell].runner.kill()
+            return cell, spooled, set(runner.live)
+    return None
+
+
+def test_runner_lost_spooled_runs_delivered_live_runs_restarted(tmp_path):
+    job = FakeJob.make(fake_config(tmp_path), polls=3)
+    act = job.actuator()
+    act.injector = OnceWhen(_kill_runner_after_a_spooled_end)
+    result = act.run()
+    assert act.injector.fired, "no cell had two live runs"
+    cell, spooled, live = act.injector.fired
+    (f,) = result.faults
+    assert (f.kind, f.cell, f.retired) == ("runner", cell, False)
+    assert (f.runs_from_spool, f.runs_rerun) == (len(spooled), len(live))
+    assert spooled <= set(job.pool.runner(cell).spool_reads)  # the new runner processed them
+    restarted = {e.run for e in result.events if e.kind == "run_restarted"}
+    assert restarted == {run_index(r) for r in live}
+    assert job.pool.actors_replaced == 1
+    audit(job, result)
+
+
+def test_learner_lost_mid_step_requeues_its_micro_batches(tmp_path):
+    job = FakeJob.make(fake_config(tmp_path))
+    act = job.actuator()
+
+    def kill_learner(a):   # a member mid micro-batch that trained one before
+        for cell in a.learners.members if a.learners else ():
+            if cell in a.in_flight and len(a.learners.held[cell]) >= 2:
+                a.cells[cell].learner.kill()
+                return cell, len(a.learners.held[cell])
+        return None
+
+    act.injector = OnceWhen(kill_learner)
+    result = act.run()
+    assert act.injector.fired, "no member trained two micro-batches of one step"
+    cell, held = act.injector.fired
+    (f,) = result.faults
+    assert (f.kind, f.cell, f.micro_batches_redone) == ("learner", cell, held)
+    audit(job, result)        # each run once in the update: the redone ones are not doubled
+
+
+def test_node_lost_cell_retired_runs_restarted_elsewhere_payloads_from_spool(tmp_path):
+    job = FakeJob.make(fake_config(tmp_path, steps=4), polls=3)
+    act = job.actuator()
+
+    def lose_node(a):   # a cell with live runs and ended, untrained runs on it
+        for cell in range(len(a.cells)):
+            held = {r for r, e in a.state.held_runs.items() if e.cell == cell}
+            if a.m.live[cell] and held:
+                live = set(a.m.live[cell])
+                job.pool.lose_node(cell)
+                return cell, held, live
+        return None
+
+    def restore(a):
+        if act.injector.ticks_after == 5:
+            job.pool.restore_node(act.injector.fired[0])
+
+    act.injector = OnceWhen(lose_node, then=restore)
+    result = act.run()
+    assert act.injector.fired, "no cell had live runs and ended untrained runs at once"
+    cell, held, live = act.injector.fired
+    node = [f for f in result.faults if f.kind == "node"]
+    assert [(f.cell, f.retired, f.runs_rerun) for f in node] == [(cell, True, len(live))]
+    restarted = [e for e in result.events if e.kind == "run_restarted"]
+    assert {e.run for e in restarted} == live and all(e.cell != cell for e in restarted)
+    reads = {r for c in range(len(act.cells)) if c != cell
+             for r in job.pool.runner(c).spool_reads}
+    assert held <= reads                      # payloads rebuilt by another cell's runner
+    assert [f.kind for f in result.faults if f.cell == cell] == ["node", "node_returned"]
+    assert cell not in act.retired
+    audit(job, result)
+
+
+def test_an_actor_error_that_is_not_a_death_fails_loudly(tmp_path):
+    job = FakeJob.make(fake_config(tmp_path))
+    act = job.actuator()
+
+    def refuse(a):        # the runner refuses its next runs (draining) but stays alive
+        if a.runs_ended() >= 1:
+            a.pool.runner(0).draining = True
+            return 0
+        return None
+
+    act.injector = OnceWhen(refuse)
+    with pytest.raises(CellActorDied, match="cell 0: started failed"):
+        act.run()
+
+
+def test_learner_lost_before_the_reduce_banks_the_survivors_gradients(tmp_path):
+    """A member dies as the step's reduce begins (after its micro-batches): ``finish`` finds
+    it gone, keeps the survivors' gradients (banked), and its micro-batches are trained again
+    by the members left — the update still holds every run once."""
+    job = FakeJob.make(fake_config(tmp_path, steps=4))
+    act = job.actuator()
+    killed = []
+
+    def patch_finish(a):
+        if a.learners is None:
+            return None
+        group, finish = a.learners, a.learners.finish
+
+        def finish_killing_one():
+            if not killed and len(group.members) >= 2:
+                cell = max(group.members, key=lambda c: len(group.held[c]))
+                killed.append((cell, len(group.held[cell])))
+                a.cells[cell].learner.kill()
+            return finish()
+        group.finish = finish_killing_one
+        return True
+
+    act.injector = OnceWhen(patch_finish)
+    result = act.run()
+    assert killed, "no step had two members"
+    (cell, held), (f,) = killed[0], result.faults
+    assert (f.kind, f.cell, f.why) == ("learner", cell, "lost during the step's reduce")
+    assert held >= 1
+    audit(job, result)
