@@ -104,7 +104,7 @@ class XLongAlgorithm(Algorithm):
                                 seed=int(self.config.seed or 0), dtype=self.job.learner.dtype)
         actors = cell_actors(rollout=rollout, learner=self.job.learner,
                              processor=self.job.processor, seed=int(self.config.seed or 0),
-                             spool_dir=self.job.spool_dir,
+                             spool_dir=self.job.spool_dir, tasks=self.job.work.tasks(),
                              agent_tasks=self.job.work.agent_tasks(),
                              learner_connector=self.config._learner_connector)
         self.pool = create_cells(self.job.layout, actors=actors)

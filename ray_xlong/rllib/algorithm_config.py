@@ -30,6 +30,7 @@ from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
 
 from ray_xlong.checks import is_int as _is_int
 from ray_xlong.rollout import HarnessConfig
+from ray_xlong.rollout.tasks import TaskFactory
 from ray_xlong.scheduling.modes import CELL_MODES as MODES  # the one mode registry
 from ray_xlong.trajectory import LossConfig
 
@@ -69,8 +70,13 @@ class XLongOptions:
     """Token budget of one micro-batch sent to a training cell."""
     engine: str = "hf"
     """Inference backend of rollout cells: ``hf`` | ``vllm``."""
-    task: str = "lookup"
-    """Registered task every run does (with ``agent_task``: the external agent's name)."""
+    task: "str | TaskFactory" = "lookup"
+    """The task every run does: a registered name (built in, or ``register_task``-ed in this
+    process: its factory goes to every cell) or a factory ``make(seed) -> TaskEnv`` itself
+    (picklable; ``DatasetTask`` is one). With ``agent_task``: the external agent's name."""
+    task_factory: "TaskFactory | None" = None
+    """Resolved from ``task`` (do not set): the factory sent to the cells for a task that is
+    not built in, so that a config pickled to another process (Tune) still carries it."""
     agent_task: Callable[[int], Any] | None = None
     """An external agent as the task: ``make(seed) -> ray_xlong.serving.agents.AgentTask``
     (picklable), registered as ``task`` in every runner; each run is opened on the endpoint of
@@ -126,13 +132,52 @@ class XLongOptions:
         from ray_xlong.rollout.tasks import TASKS
 
         if self.agent_task is None:
-            _check(self.task in TASKS, "task", f"one of {sorted(TASKS)}", self.task)
+            object.__setattr__(self, "task_factory", _resolve_task(self.task,
+                                                                   self.task_factory))
         else:
             _check(callable(self.agent_task), "agent_task", "make(seed) -> AgentTask",
                    self.agent_task)
             _check(isinstance(self.task, str) and bool(self.task) and self.task not in TASKS,
                    "task", f"a new name for the external agent (not one of {sorted(TASKS)})",
                    self.task)
+
+
+    @property
+    def task_name(self) -> str:
+        """The name runs carry (``RunSpec.task``): ``task``, or a factory's name."""
+        return task_name(self.task)
+
+
+def task_name(task: Any) -> str:
+    """The name of a task given by name or by factory (a factory's ``name`` attribute when it
+    has one, else its qualified name, e.g. ``my_script.MyTask``)."""
+    if isinstance(task, str):
+        return task
+    name = getattr(task, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    kind = task if isinstance(task, type) or hasattr(task, "__qualname__") else type(task)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _resolve_task(task: Any, resolved: Any) -> Any:
+    """The factory to send to the cells for ``task`` (None for a built-in task)."""
+    from ray_xlong.rollout.tasks import BUILTIN_TASKS, TASKS
+
+    if isinstance(task, str):
+        if task in BUILTIN_TASKS:
+            return None
+        if task in TASKS:
+            return TASKS[task]
+        _check(resolved is not None, "task", f"a registered task name (one of {sorted(TASKS)}; "
+               f"register_task(name, factory) first) or a factory make(seed) -> TaskEnv", task)
+        return resolved
+    _check(callable(task), "task", "a registered task name or a factory make(seed) -> TaskEnv",
+           task)
+    name = task_name(task)
+    _check(name not in BUILTIN_TASKS or BUILTIN_TASKS[name] is task, "task",
+           f"a factory whose name is not a built-in task's ({sorted(BUILTIN_TASKS)})", name)
+    return None if name in BUILTIN_TASKS else task
 
 
 def _check(ok: bool, field: str, want: str, got: Any) -> None:
@@ -160,7 +205,7 @@ class XLongConfig(AlgorithmConfig):
               slots_per_cell: int = NotProvided, async_rollout_cells: int = NotProvided,
               runs_per_group: int = NotProvided, max_trajectories_per_run: int = NotProvided,
               staleness_bound: int = NotProvided, micro_batch_tokens: int = NotProvided,
-              engine: str = NotProvided, task: str = NotProvided,
+              engine: str = NotProvided, task: "str | TaskFactory" = NotProvided,
               agent_task: Callable[[int], Any] = NotProvided, model_dir: str = NotProvided,
               dtype: str = NotProvided, loss: LossConfig = NotProvided, pack: str = NotProvided,
               normalize_std: bool = NotProvided, harness: HarnessConfig = NotProvided,
@@ -168,6 +213,8 @@ class XLongConfig(AlgorithmConfig):
               spool_dir: str = NotProvided) -> "XLongConfig":
         """Set xlong options (fields of :class:`XLongOptions`; validated here). Returns self."""
         given = {k: v for k, v in locals().items() if k != "self" and v is not NotProvided}
+        if "task" in given:
+            given["task_factory"] = None        # resolved again from the new task
         self.xlong_options = dataclasses.replace(self.xlong_options, **given)
         return self
 
@@ -238,8 +285,8 @@ class XLongConfig(AlgorithmConfig):
                               strategy=opt.placement_strategy),
             learner=learner, slots_per_cell=opt.slots_per_cell,
             async_rollout_cells=opt.async_rollout_cells,
-            work=TaskJob(opt.task, seed=int(self.seed or 0), group_offset=group_offset,
-                         agent=opt.agent_task),
+            work=TaskJob(opt.task_name, seed=int(self.seed or 0), group_offset=group_offset,
+                         agent=opt.agent_task, factory=opt.task_factory),
             harness=opt.harness,
             processor=ProcessorConfig(max_trajectories_per_run=opt.max_trajectories_per_run,
                                       pack=opt.pack, normalize_std=opt.normalize_std),
