@@ -122,7 +122,7 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
         cells = spec.algorithm_config(model_dir=model_dir).num_cells
     ensure_ray(cpus=max(os.cpu_count() or 1, cells), gpus=cells)
     config = spec.algorithm_config(model_dir=model_dir) if spec is not None else (
-        XLongConfig().debugging(seed=seed)
+        XLongConfig().debugging(seed=seed).lookup_recipe()
         .training(train_batch_size_per_learner=groups * runs_per_group)
         .xlong(mode=mode, cells=cells, runs_per_group=runs_per_group, engine=engine,
                model_dir=model_dir, staleness_bound=staleness_bound,

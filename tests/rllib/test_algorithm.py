@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 
 from ray.rllib.callbacks.callbacks import RLlibCallback  # noqa: E402
 
-from ray_xlong.rllib.algorithm_config import XLongConfig  # noqa: E402
+from ray_xlong.rllib.algorithm_config import RECIPE_HARNESS, XLongConfig  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,8 @@ class RecordingCallbacks(RLlibCallback):
 
 def small_config(model_dir: str, *, mode: str = "elastic", seed: int = 0) -> XLongConfig:
     """2 cells, 2 groups × 4 runs per step, on a plain tiny model (plumbing, not learning)."""
-    return (XLongConfig().training(train_batch_size_per_learner=8).debugging(seed=seed)
+    return (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=8)
+            .debugging(seed=seed)
             .callbacks(RecordingCallbacks)
             .xlong(mode=mode, cells=2, runs_per_group=4, slots_per_cell=8, model_dir=model_dir,
                    placement_strategy="PACK"))
@@ -161,7 +162,7 @@ def test_reward_rises_in_elastic_mode(tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     model_dir = warm_started_model_dir(tmp_path_factory.mktemp("warm"), seed=1)
-    algo = (XLongConfig().debugging(seed=1)
+    algo = (XLongConfig().debugging(seed=1).lookup_recipe()
             .xlong(mode="elastic", cells=2, model_dir=model_dir, placement_strategy="PACK")
             .build_algo())
     try:
@@ -196,6 +197,7 @@ def test_a_users_learner_connector_piece_runs_on_the_training_batch(local_ray, p
                                  learner_connector=lambda obs, act: MarkingPiece())
             .env_runners(num_env_runners=2).debugging(seed=0))
     algo = ray_xlong.enable(mine, mode="elastic", runs_per_group=4, slots_per_cell=8,
+                            harness=RECIPE_HARNESS,
                             model_dir=plain_model, placement_strategy="PACK").build_algo()
     try:
         result = algo.train()

@@ -11,7 +11,7 @@ from ray.rllib.callbacks.callbacks import RLlibCallback
 
 import ray_xlong
 from ray_xlong.rllib.algorithm import XLongAlgorithm
-from ray_xlong.rllib.algorithm_config import XLongConfig
+from ray_xlong.rllib.algorithm_config import AGENT_HARNESS, XLongConfig
 from ray_xlong.rllib.enable import EnableError
 
 
@@ -73,7 +73,8 @@ def test_appo_settings_survive(tmp_path):
 
 def test_unchanged_algorithm_config_takes_xlong_defaults(tmp_path):
     cfg = ray_xlong.enable(AlgorithmConfig(), model_dir=str(tmp_path))
-    assert (cfg.lr, cfg.grad_clip, cfg.groups_per_step) == (5e-4, 1.0, 16)   # the recipe
+    assert (cfg.lr, cfg.grad_clip, cfg.groups_per_step) == (1e-6, 1.0, 16)   # real models
+    assert cfg.xlong_options.harness == AGENT_HARNESS
 
 
 def test_settings_that_cannot_carry_over_are_all_named(tmp_path):

@@ -131,7 +131,8 @@ def results(model_dir):
 
     handler = Keep(level=logging.WARNING)
     logging.getLogger("ray._common.deprecation").addHandler(handler)
-    config = (XLongConfig().training(train_batch_size_per_learner=8).debugging(seed=0)
+    config = (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=8)
+              .debugging(seed=0)
               .xlong(mode="elastic", cells=2, runs_per_group=4, slots_per_cell=8,
                      model_dir=model_dir, placement_strategy="PACK"))
     try:

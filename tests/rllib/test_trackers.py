@@ -111,7 +111,8 @@ def test_tuner_with_tracker_callbacks_logs_the_algorithms_metrics(local_ray, tmp
     ray.shutdown()
     ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, log_to_driver=False)
     model_dir = str(build_tiny_model_dir(tmp_path / "policy", seed=0))
-    config = (XLongConfig().training(train_batch_size_per_learner=4).debugging(seed=0)
+    config = (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=4)
+              .debugging(seed=0)
               .xlong(mode="elastic", cells=2, runs_per_group=2, slots_per_cell=4,
                      model_dir=model_dir, placement_strategy="PACK"))
     out = tmp_path / "trackers"
