@@ -99,7 +99,8 @@ def test_a_new_task_resolves_afresh(registered):
 
 
 @pytest.mark.parametrize("settings,field", [
-    pytest.param(dict(evaluation_duration="auto", evaluation_parallel_to_training=True),
+    pytest.param(dict(evaluation_duration="auto", evaluation_parallel_to_training=True,
+                      evaluation_num_env_runners=1),
                  "evaluation_duration", id="auto"),
     pytest.param(dict(evaluation_duration_unit="timesteps"), "evaluation_duration_unit",
                  id="timesteps"),
