@@ -115,7 +115,7 @@ def test_micro_batches_add_up_to_the_whole_batch(packed, config):
                                          ref_logprobs=ref[at:at + n]))
         at += n
     assert at == packed.num_targets
-    assert total == pytest.approx(float(whole), rel=1e-9, abs=1e-12)
+    assert total == pytest.approx(float(whole.detach()), rel=1e-9, abs=1e-12)
     torch.testing.assert_close(torch.cat(grads), whole_lp.grad, rtol=1e-9, atol=1e-12)
     assert merged.masked == whole_stats.masked
     assert merged.kl_penalty_sum == pytest.approx(whole_stats.kl_penalty_sum)
