@@ -91,6 +91,21 @@ def test_settings_that_cannot_carry_over_are_all_named(tmp_path):
     assert cfg.lr == 1e-3
 
 
+def test_ppo_kl_clip_and_evaluation_settings_carry_over(tmp_path):
+    user = (PPOConfig().training(clip_param=0.1, kl_coeff=0.05, train_batch_size_per_learner=16)
+            .evaluation(evaluation_interval=3, evaluation_duration=4,
+                        evaluation_num_env_runners=1))
+    cfg = ray_xlong.enable(user, runs_per_group=8, model_dir=str(tmp_path))
+    loss = cfg.xlong_options.loss
+    assert (loss.clip_low, loss.clip_high, loss.kl_coef, loss.kl_reference) == \
+        (0.1, 0.1, 0.05, "behaviour")
+    assert (cfg.evaluation_interval, cfg.evaluation_duration,
+            cfg.evaluation_num_env_runners) == (3, 4, 1)
+    cfg.validate()
+    off = ray_xlong.enable(PPOConfig().training(use_kl_loss=False), model_dir=str(tmp_path))
+    assert off.xlong_options.loss.kl_coef == 0.0
+
+
 @pytest.mark.parametrize("options, field", [
     pytest.param({"mode": "fast"}, "XLongOptions.mode", id="mode"),
     pytest.param({"engine": "trt"}, "XLongOptions.engine", id="engine"),
