@@ -319,12 +319,13 @@ class XLongAlgorithm(Algorithm):
                                   cpus=float(cfg.num_cpus_per_env_runner or 1),
                                   gpus=float(cfg.num_gpus_per_env_runner or 0))
 
-    def _current_weights(self) -> dict[str, Any]:
+    def _current_weights(self) -> Any:
+        """An object ref of the current version's weights."""
         if self.actuator is not None:
-            return ray.get(self.actuator.learners.state_ref)["weights"]
+            return self.actuator.learners.weights_ref
         if self._start_state is not None:
-            return self._start_state["weights"]
-        return ray.get(self.pool.initial_weights)
+            return ray.put(self._start_state["weights"])
+        return self.pool.initial_weights
 
     def cleanup(self) -> None:
         if getattr(self, "_evaluation", None) is not None:

@@ -94,17 +94,24 @@ class EvaluationRunners:
         fn = getattr(runner, method)
         return ray.get(fn.remote(*args)) if hasattr(fn, "remote") else fn(*args)
 
-    def run(self, specs: Sequence[RunSpec], *, weights: Callable[[], Mapping[str, Any]],
-            version: int, timeout_s: float) -> list[Any]:
-        """Run ``specs`` on the policy of ``version`` (``weights()`` fetched only when the
-        runners hold another); returns the ``RunResult`` of every run."""
+    def run(self, specs: Sequence[RunSpec], *, weights: Callable[[], Any], version: int,
+            timeout_s: float) -> list[Any]:
+        """Run ``specs`` on the policy of ``version`` and return the ``RunResult`` of every
+        run. ``weights()`` gives an object ref of that version's weights, taken only when the
+        runners hold another version: runner actors resolve it themselves (the weights do
+        not pass through the driver unless the runner is local)."""
+        import ray
+
         if self.runners is None:
             self.runners = ([self._make_local()] if self.count == 0
                             else [self._make_remote() for _ in range(self.count)])
         if self.version != version:
-            state = weights()
+            ref = weights()
             for r in self.runners:
-                self._call(r, "set_weights", state, version)
+                if hasattr(r.set_weights, "remote"):
+                    ray.get(r.set_weights.remote(ref, version))
+                else:
+                    r.set_weights(ray.get(ref), version)
             self.version = version
         for i, r in enumerate(self.runners):
             self._call(r, "start_runs", list(specs[i::len(self.runners)]))
