@@ -316,7 +316,7 @@ class XLongAlgorithm(Algorithm):
                                 seed=int(self.config.seed or 0), dtype=self.job.learner.dtype)
         return evaluation_runners(rollout=rollout, tasks=tasks,
                                   count=int(cfg.num_env_runners or 0),
-                                  cpus=float(cfg.num_cpus_per_env_runner or 1),
+                                  cpus=float(cfg.num_cpus_per_env_runner),
                                   gpus=float(cfg.num_gpus_per_env_runner or 0))
 
     def _current_weights(self) -> Any:

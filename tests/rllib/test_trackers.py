@@ -102,7 +102,7 @@ def test_unknown_tracker_is_an_error_naming_it(tmp_path):
 def test_tuner_with_tracker_callbacks_logs_the_algorithms_metrics(local_ray, tmp_path):
     """Two iterations of XLongAlgorithm under tune.Tuner with the W&B and MLflow callbacks:
     what they wrote equals the trial's result.json, the evaluation block of iteration 2
-    included."""
+    included (run by an evaluation runner actor beside the step, RLlib's parallel mode)."""
     from ray import tune
 
     from ray_xlong.models import build_tiny_model_dir
@@ -116,7 +116,9 @@ def test_tuner_with_tracker_callbacks_logs_the_algorithms_metrics(local_ray, tmp
               .debugging(seed=0)
               .xlong(mode="elastic", cells=2, runs_per_group=2, slots_per_cell=4,
                      model_dir=model_dir, placement_strategy="PACK", eval_samples=2)
-              .evaluation(evaluation_interval=2, evaluation_duration=1))
+              .evaluation(evaluation_interval=2, evaluation_duration=1,
+                          evaluation_num_env_runners=1, evaluation_parallel_to_training=True,
+                          evaluation_config={"num_cpus_per_env_runner": 0}))
     out = tmp_path / "trackers"
     grid = tune.Tuner(XLongAlgorithm, param_space=config, run_config=tune.RunConfig(
         name="xl", storage_path=str(tmp_path / "results"), stop={"training_iteration": 2},
