@@ -264,7 +264,8 @@ def _update(obj: Any, body: Mapping, path: tuple[str, ...], where) -> Any:
 
 def _coerce(value: Any, kind: str, what: str) -> Any:
     """``value`` as the annotation ``kind`` says (int, float, str, bool, tuple[str, ...],
-    tuple[float, ...], ``X | None``); a float field takes an int, or a number written as a string."""
+    tuple[float, ...], ``X | None``); a float field takes an int, or a number written as a
+    string."""
     options = [k.strip() for k in kind.split("|")]
     if value is None:
         if "None" in options:

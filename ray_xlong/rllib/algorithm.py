@@ -28,9 +28,10 @@ groups the algorithm creates itself.
 Limits (said, not hidden): a checkpoint holds the trained state, not runs in flight or ended
 runs not trained yet (they are re-sampled after a restore, from the saved task position
 ``xlong/data_position``). RLlib's ``.evaluation(...)`` runs on evaluation runners beside the
-cells (``rllib/evaluation.py``), results under ``evaluation/env_runners/...``. The Learner connector pipeline is: each training cell's XLongLearner
-runs the user's learner connector pieces, then ``PrefixTreeConnector`` (RLlib's order), on the
-episodes of the runs it trains (``XLongLearner.accumulate_runs``).
+cells (``rllib/evaluation.py``), results under ``evaluation/env_runners/...``. The Learner
+connector pipeline is: each training cell's XLongLearner runs the user's learner connector
+pieces, then ``PrefixTreeConnector`` (RLlib's order), on the episodes of the runs it trains
+(``XLongLearner.accumulate_runs``).
 """
 
 from __future__ import annotations

@@ -43,8 +43,7 @@ def make_task(name: str, *, seed: int) -> TaskEnv:
     return TASKS[name](seed)
 
 
-__all__ = ["BUILTIN_TASKS", "ArithmeticTask", "DataPosition", "DatasetRowError", "DatasetTask",
-           "PromptEnv", "exact_match", "CodeTask", "LongHorizonConfig", "LongHorizonTask", "LookupTask",
-           "Observation",
-           "TASKS", "TaskEnv", "TaskFactory", "TaskFailure", "ToolError", "UnknownTaskError",
-           "make_task", "register_task"]
+__all__ = ["BUILTIN_TASKS", "ArithmeticTask", "CodeTask", "DataPosition", "DatasetRowError",
+           "DatasetTask", "LongHorizonConfig", "LongHorizonTask", "LookupTask", "Observation",
+           "PromptEnv", "TASKS", "TaskEnv", "TaskFactory", "TaskFailure", "ToolError",
+           "UnknownTaskError", "exact_match", "make_task", "register_task"]

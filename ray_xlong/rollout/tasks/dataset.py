@@ -178,11 +178,13 @@ class DatasetTask:
                              f"(of {n}), got {k}")
         order = np.random.default_rng([self.seed, 2**31 - 1]).permutation(n)
         held, kept = sorted(order[:k].tolist()), sorted(order[k:].tolist())
-        part = (lambda idx, nm: DatasetTask(
-            [self.rows[i] for i in idx], env=self.env, name=nm, seed=self.seed,
-            source=self.source, row_ids=[self.row_ids[i] for i in idx],
-            required=self.required))
-        return part(kept, self.name), part(held, eval_name or f"{self.name}_eval")
+        return (self._subset(kept, self.name),
+                self._subset(held, eval_name or f"{self.name}_eval"))
+
+    def _subset(self, rows: list[int], name: str) -> "DatasetTask":
+        return DatasetTask([self.rows[i] for i in rows], env=self.env, name=name,
+                           seed=self.seed, source=self.source,
+                           row_ids=[self.row_ids[i] for i in rows], required=self.required)
 
     def __repr__(self) -> str:
         return (f"DatasetTask(name={self.name!r}, rows={len(self.rows)}, source={self.source!r}, "
