@@ -177,6 +177,7 @@ FROM_CHECKPOINT = textwrap.dedent("""
                "iteration": r["training_iteration"],
                "version": r["xlong"]["policy_version"],
                "first_version_trained_on": algo.reports[0].version - 1,
+               "data_position_after": algo.data_position,
                "callbacks": sys.modules[module].RecordingCallbacks.seen},
               open(os.path.join(out, "r.json"), "w"))
     algo.stop()
@@ -204,9 +205,10 @@ def test_from_checkpoint_continues_in_a_new_process(trained, tmp_path):
     got = json.loads((tmp_path / "r.json").read_text())
     assert "cannot load the saved config" in got.pop("error")
     # trained: 2 steps, so the restored algorithm is at iteration 2, version 2 and steps on
-    # data_position: 2 steps × 2 groups drawn before the save: the restored job goes on there
+    # data_position: 2 steps × 2 groups drawn before the save: the restored job goes on
+    # there (groups 4 and 5 in its first step)
     assert got == {"restored": [2, 2], "weights_equal": True, "version_restored": 2,
-                   "data_position": 4,
+                   "data_position": 4, "data_position_after": 6,
                    "iteration": 3, "version": 3,
                    "first_version_trained_on": 2, "callbacks": [["init", None], ["result", 3]]}
 
