@@ -189,3 +189,14 @@ def test_agent_stats_describe_the_runs_trained(results):
 @pytest.mark.slow
 def test_no_deprecation_warning_from_rllibs_metrics_logger(results):
     assert results[1] == []
+
+
+@pytest.mark.slow
+def test_mismatch_metrics_are_reported(results):
+    """The off-policy mismatch of every step (``trajectory/loss.py``): log-ratio mean / max,
+    masked fraction and KL penalty (both 0: the default loss masks nothing and has no KL)."""
+    for r in results[0]:
+        lr = r["learners"]["default_policy"]
+        assert abs(lr["mismatch_log_ratio_mean"]) <= lr["mismatch_log_ratio_max"]
+        assert math.isfinite(lr["mismatch_log_ratio_max"])
+        assert lr["masked_fraction"] == 0.0 and lr["kl_penalty"] == 0.0
