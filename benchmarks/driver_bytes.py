@@ -115,7 +115,8 @@ def run(seed: int, steps: int, runs_per_group: int, groups: int) -> dict:
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=300 * 2**20)
     try:
-        config = (XLongConfig().training(train_batch_size_per_learner=groups * runs_per_group)
+        config = (XLongConfig().lookup_recipe()
+                  .training(train_batch_size_per_learner=groups * runs_per_group)
                   .debugging(seed=seed)
                   .xlong(mode="elastic", cells=2, runs_per_group=runs_per_group,
                          slots_per_cell=groups * runs_per_group, model_dir=model_dir,

@@ -2,6 +2,11 @@
 
     python benchmarks/learning.py --json out/learning.json [--seeds 1 2 3] [--steps 25]
     python benchmarks/learning.py --smoke --json out/learning_smoke.json     # tiny budget (CI)
+    python benchmarks/learning.py --modes elastic --corrections all --steps 30 --json out/c.json
+
+``--corrections`` trains each named off-policy correction (:data:`CORRECTIONS`, the
+``LossConfig`` of each) in every mode: a row per (mode, correction); the default is the token
+PPO clip alone (row name = the mode).
 
 Each (mode, seed) trains the warm-started tiny policy on the ``lookup`` task for ``--steps``
 steps (16 groups × 8 runs, lr 5e-4: the local RL recipe) on 2 cells of an embedded local Ray.
@@ -24,6 +29,18 @@ import sys
 import tempfile
 
 from ray_xlong.scheduling.modes import PAPER_MODES as MODES  # the one mode registry
+from ray_xlong.trajectory import LossConfig
+
+CORRECTIONS = {
+    "token_ppo": LossConfig(),
+    "seq_tis": LossConfig(kind="tis", ratio_level="sequence", tis_cap=2.0),
+    "geo_ppo": LossConfig(ratio_level="geo_mean"),
+    "token_mask": LossConfig(token_mask=(0.5, 2.0)),
+    "seq_mask": LossConfig(kind="tis", sequence_mask=(0.8, 1.25)),
+    "kl_k3_ref": LossConfig(kl_coef=0.01, kl_estimator="k3", kl_reference="reference"),
+    "kl_k1_behaviour": LossConfig(kl_coef=0.01, kl_estimator="k1"),
+}
+"""Off-policy corrections ``--corrections`` can name (``trajectory/loss.py``)."""
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -36,20 +53,23 @@ def run(args: argparse.Namespace) -> dict:
                  "runs_per_group": args.runs_per_group, "engine": args.engine,
                  "chat": args.chat,
                  "seeds": args.seeds}
-    for mode in args.modes:
+    out["corrections"] = args.corrections
+    for mode, correction in [(m, c) for m in args.modes for c in args.corrections or [None]]:
+        name = mode if correction is None else f"{mode}/{correction}"
         per_seed = {}
         for seed in args.seeds:
             r = run_training(mode=mode, steps=args.steps, seed=seed, workdir=args.workdir,
                              engine=args.engine, groups=args.groups,
-                             runs_per_group=args.runs_per_group, warm=warm, chat=args.chat)
+                             runs_per_group=args.runs_per_group, warm=warm, chat=args.chat,
+                             loss=CORRECTIONS[correction] if correction else None)
             per_seed[seed] = {"rewards": list(r.rewards), "seconds": r.train_s,
                               "startup_s": r.startup_s}
-            print(f"{mode} seed {seed}: " + " ".join(f"{x:.2f}" for x in r.rewards)
+            print(f"{name} seed {seed}: " + " ".join(f"{x:.2f}" for x in r.rewards)
                   + f"  ({r.train_s:.0f} s)", flush=True)
         first = per_seed[args.seeds[0]]
         finals = [_mean(v["rewards"][-5:]) for v in per_seed.values()]
         rises = [_mean(v["rewards"][-5:]) - _mean(v["rewards"][:3]) for v in per_seed.values()]
-        out["modes"][mode] = {
+        out["modes"][name] = {
             "rewards": first["rewards"], "seconds": first["seconds"],
             "seeds": {str(k): v for k, v in per_seed.items()},
             "final_mean": _mean(finals), "final_std": _std(finals), "rise_mean": _mean(rises),
@@ -89,10 +109,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chat", default="chatml_tiny",
                    choices=["chatml_tiny", "chatml", "llama3", "token"],
                    help="chat format of the policy (default: the template path)")
+    p.add_argument("--corrections", nargs="+", default=None,
+                   choices=[*CORRECTIONS, "all"],
+                   help="off-policy corrections to train, each in every mode (default: none "
+                        "named: the token PPO clip, one row per mode)")
     p.add_argument("--workdir", default=None, help="model cache (default: a temp dir)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny budget: 2 steps of 2 groups × 2 runs, a 7-step warm start")
     args = p.parse_args(argv)
+    if args.corrections and "all" in args.corrections:
+        args.corrections = list(CORRECTIONS)
     if args.smoke:
         args.steps, args.groups, args.runs_per_group = 2, 2, 2
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="rx-learning-")

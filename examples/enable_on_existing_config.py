@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     args = p.parse_args(argv)
     from ray_xlong.models import build_tiny_model_dir
+    from ray_xlong.rllib.algorithm_config import RECIPE_HARNESS
     from ray_xlong.rllib.enable import EnableError
     from ray_xlong.jobs.train import ensure_ray
 
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = str(build_tiny_model_dir(tempfile.mkdtemp(prefix="rx-policy-"), seed=0))
     config = ray_xlong.enable(mine, mode="elastic", runs_per_group=4, model_dir=model_dir,
-                              engine="hf", slots_per_cell=8, placement_strategy="PACK")
+                              engine="hf", slots_per_cell=8, placement_strategy="PACK",
+                              harness=RECIPE_HARNESS)     # a tiny model's run budgets
     print(f"kept: lr={config.lr} grad_clip={config.grad_clip} runs/step="
           f"{config.total_train_batch_size} ({config.groups_per_step} groups x 4) "
           f"callbacks={config.callbacks_class.__name__} cells={config.num_cells}")

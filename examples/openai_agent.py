@@ -135,7 +135,7 @@ def train(*, steps: int, seed: int, groups: int, runs_per_group: int, engine: st
     model_dir = warm_started_model_dir(workdir, seed=seed, warm=warm, style="chatml_tiny")
     t1 = time.perf_counter()
     ensure_ray(cpus=max(2, cells), gpus=cells)
-    config = (XLongConfig().debugging(seed=seed)
+    config = (XLongConfig().debugging(seed=seed).lookup_recipe()
               .training(train_batch_size_per_learner=groups * runs_per_group)
               .xlong(mode="elastic", cells=cells, runs_per_group=runs_per_group, engine=engine,
                      model_dir=model_dir, staleness_bound=0, placement_strategy="PACK",

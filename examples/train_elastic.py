@@ -10,6 +10,10 @@ cells (each cell hosts a vLLM engine runner and an RLlib Learner and switches ro
 staleness bound 0 makes each cell move between rollout and training every step or two), shows a
 progress bar and a per-step table, then writes a timeline PNG of the cells' roles and prints a
 summary with the number of role switches per cell.
+
+The job runs the tiny lookup recipe, set explicitly (``tools.train.run_training``:
+``XLongConfig().lookup_recipe()``: lr 5e-4, short calls, 4 calls a run), not the defaults,
+which are for real 1.5B–8B policies (docs/own-task.md).
 """
 
 from __future__ import annotations

@@ -264,7 +264,8 @@ def _update(obj: Any, body: Mapping, path: tuple[str, ...], where) -> Any:
 
 def _coerce(value: Any, kind: str, what: str) -> Any:
     """``value`` as the annotation ``kind`` says (int, float, str, bool, tuple[str, ...],
-    ``X | None``); a float field takes an int, or a number written as a string."""
+    tuple[float, ...], ``X | None``); a float field takes an int, or a number written as a
+    string."""
     options = [k.strip() for k in kind.split("|")]
     if value is None:
         if "None" in options:
@@ -285,6 +286,9 @@ def _coerce(value: Any, kind: str, what: str) -> Any:
     if base.startswith("tuple[str") and isinstance(value, (list, tuple)) \
             and all(isinstance(v, str) for v in value):
         return tuple(value)
+    if base.startswith("tuple[float") and isinstance(value, (list, tuple)) \
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return tuple(float(v) for v in value)
     raise ConfigError(f"{what} must be {kind}, got {value!r} ({type(value).__name__})")
 
 

@@ -4,7 +4,7 @@ The cell actuator (``actuator.py``) asks its job's ``work`` object three things;
 learnable-task answer (the long-horizon oracle job is ``long_horizon_job.LongHorizonJob``)::
 
     spec(run, runs_per_group)   RunSpec(task, task seed of the run's group, "r{run}", "g{group}")
-    tasks()                     {}  (the task is built in: ray_xlong.rollout.tasks.TASKS)
+    tasks()                     {task: factory} for a task that is not built in, else {}
     agent_tasks()               {task: agent} when the task is an external agent, else {}
     engine_factory(model_dir)   None (each runner builds its ``RolloutConfig.backend`` engine)
 
@@ -58,6 +58,10 @@ class TaskJob:
     agent: Callable[[int], Any] | None = None
     """An external agent as the task: ``make(seed) -> serving.agents.AgentTask`` (picklable),
     registered under ``task`` in every runner; None: ``task`` is a built-in task."""
+    factory: Callable[[int], Any] | None = None
+    """The task's factory ``make(seed) -> TaskEnv`` when it is not built in (picklable),
+    registered under ``task`` in every runner. A factory with ``indexed_instances = True``
+    (a dataset) is called with the global group index instead of a hashed seed."""
 
     def __post_init__(self) -> None:
         from ray_xlong.rollout.tasks import TASKS
@@ -69,13 +73,21 @@ class TaskJob:
                                  f"agent (not a built-in task {sorted(TASKS)}) and agent is "
                                  f"make(seed) -> AgentTask; got task={self.task!r}, "
                                  f"agent={self.agent!r}")
+        elif self.factory is not None:
+            if not callable(self.factory) or not isinstance(self.task, str) or not self.task:
+                raise ValueError(f"TaskJob: with factory= the task is its name and factory is "
+                                 f"make(seed) -> TaskEnv; got task={self.task!r}, "
+                                 f"factory={self.factory!r}")
         elif self.task not in TASKS:
             raise ValueError(f"TaskJob.task must be one of {sorted(TASKS)}, got {self.task!r}")
         if self.group_offset < 0:
             raise ValueError(f"TaskJob.group_offset must be >= 0, got {self.group_offset!r}")
 
     def task_seed(self, group: int) -> int:
-        """Task seed of this job's group ``group`` (deterministic per seed and global group)."""
+        """Task seed of this job's group ``group`` (deterministic per seed and global group;
+        an indexed factory gets the global group index itself)."""
+        if getattr(self.factory, "indexed_instances", False):
+            return self.group_offset + group
         rng = np.random.default_rng([self.seed, self.group_offset + group])
         return int(rng.integers(0, 2**31))
 
@@ -85,8 +97,8 @@ class TaskJob:
         return RunSpec(self.task, self.task_seed(group), run_key(run), group_key(group))
 
     def tasks(self) -> dict:
-        """Nothing to register: the task is built in (or an external agent)."""
-        return {}
+        """``{task: factory}`` to register in every runner (``{}`` for a built-in task)."""
+        return {self.task: self.factory} if self.factory is not None else {}
 
     def agent_tasks(self) -> dict:
         """``{task: agent}`` to register in every runner (``{}`` for a built-in task)."""

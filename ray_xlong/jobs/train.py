@@ -85,7 +85,7 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
                  engine: str = "hf", cells: int = 2, groups: int = 16, runs_per_group: int = 8,
                  staleness_bound: int = 1, warm=None, chat: str = "chatml_tiny",
                  on_step: Callable[[StepReport], None] | None = None, spec=None,
-                 on_result: Callable[[dict], None] | None = None) -> TrainRun:
+                 on_result: Callable[[dict], None] | None = None, loss=None) -> TrainRun:
     """Build (or reuse) the warm-started policy and run ``steps`` steps of ``mode``.
 
     Args:
@@ -107,6 +107,8 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
             cells, groups and runs per group above are then ignored; its ``xlong.model_dir``,
             when set, replaces the warm-started policy).
         on_result: called with every ``algo.train()`` result (e.g. experiment trackers).
+        loss: a ``trajectory.LossConfig`` (None: the default token PPO clip; ignored with
+            ``spec``).
 
     Returns:
         :class:`TrainRun`.
@@ -122,11 +124,12 @@ def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Pat
         cells = spec.algorithm_config(model_dir=model_dir).num_cells
     ensure_ray(cpus=max(os.cpu_count() or 1, cells), gpus=cells)
     config = spec.algorithm_config(model_dir=model_dir) if spec is not None else (
-        XLongConfig().debugging(seed=seed)
+        XLongConfig().debugging(seed=seed).lookup_recipe()
         .training(train_batch_size_per_learner=groups * runs_per_group)
         .xlong(mode=mode, cells=cells, runs_per_group=runs_per_group, engine=engine,
                model_dir=model_dir, staleness_bound=staleness_bound,
-               placement_strategy="PACK", **_harness(chat)))
+               placement_strategy="PACK", **_harness(chat),
+               **({"loss": loss} if loss is not None else {})))
     algo = config.build_algo()
     t2 = time.perf_counter()
     try:

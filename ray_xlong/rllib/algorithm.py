@@ -26,10 +26,12 @@ the driver process (:meth:`XLongAlgorithm.default_resource_request`): the cells 
 groups the algorithm creates itself.
 
 Limits (said, not hidden): a checkpoint holds the trained state, not runs in flight or ended
-runs not trained yet (they are re-sampled after a restore, on fresh task instances); RLlib's
-evaluation is not run. The Learner connector pipeline is: each training cell's XLongLearner
-runs the user's learner connector pieces, then ``PrefixTreeConnector`` (RLlib's order), on the
-episodes of the runs it trains (``XLongLearner.accumulate_runs``).
+runs not trained yet (they are re-sampled after a restore, from the saved task position
+``xlong/data_position``). RLlib's ``.evaluation(...)`` runs on evaluation runners beside the
+cells (``rllib/evaluation.py``), results under ``evaluation/env_runners/...``. The Learner
+connector pipeline is: each training cell's XLongLearner runs the user's learner connector
+pieces, then ``PrefixTreeConnector`` (RLlib's order), on the episodes of the runs it trains
+(``XLongLearner.accumulate_runs``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import collections
 import os
 import pathlib
 import pickle
+import time
 from typing import Any
 
 import ray
@@ -47,6 +50,7 @@ from ray.rllib.callbacks.utils import make_callback
 from ray.rllib.utils import force_list
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.debug import update_global_seed_if_necessary
+from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
 from ray_xlong.rllib import results as rx_results
@@ -94,6 +98,9 @@ class XLongAlgorithm(Algorithm):
         self.env_runner_group, self.spaces = None, None
         self.env_to_module_connector = self.module_to_env_connector = None
         self.evaluation_config = self.config.get_evaluation_config_object()
+        self.eval_env_runner_group = None        # evaluation: rllib/evaluation.py
+        self._evaluation = None
+        self._eval_round = 0
         self._aggregator_actor_manager = None
         self._set_up_metrics()
         self.job = self.config.job_config(group_offset=0)
@@ -104,13 +111,14 @@ class XLongAlgorithm(Algorithm):
                                 seed=int(self.config.seed or 0), dtype=self.job.learner.dtype)
         actors = cell_actors(rollout=rollout, learner=self.job.learner,
                              processor=self.job.processor, seed=int(self.config.seed or 0),
-                             spool_dir=self.job.spool_dir,
+                             spool_dir=self.job.spool_dir, tasks=self.job.work.tasks(),
                              agent_tasks=self.job.work.agent_tasks(),
                              learner_connector=self.config._learner_connector)
         self.pool = create_cells(self.job.layout, actors=actors)
         self.actuator: SteppingActuator | None = None
         self.policy_version = 0
         self._start_state: dict[str, Any] | None = None
+        self._data_position: int | None = None     # restored: the next group index
         self.reports: list[StepReport] = []
         make_callback("on_algorithm_init", self.callbacks,
                       self.config.callbacks_on_algorithm_init,
@@ -130,7 +138,10 @@ class XLongAlgorithm(Algorithm):
         from ray_xlong.cells.config import make_policy
 
         version = self.policy_version
-        job = self.config.job_config(group_offset=version * self.config.groups_per_step)
+        offset = (self._data_position if self._data_position is not None
+                  else version * self.config.groups_per_step)
+        self._group_offset, self._start_version = offset, version
+        job = self.config.job_config(group_offset=offset)
         if self._start_state is None:
             state_ref, weights_ref = self.pool.initial_state, self.pool.initial_weights
         else:
@@ -185,8 +196,21 @@ class XLongAlgorithm(Algorithm):
             learner = self._start_state
         else:
             learner = ray.get(self.pool.initial_state)
-        return {XLONG: {"learner": learner, "policy_version": self.policy_version},
+        return {XLONG: {"learner": learner, "policy_version": self.policy_version,
+                        "data_position": self.data_position},
                 TRAINING_ITERATION: self.training_iteration}
+
+    @property
+    def data_position(self) -> int:
+        """The task stream's position: the global index of the next group to draw after the
+        groups trained so far (what a restored job continues from; groups in flight at a
+        save are drawn again)."""
+        if self.actuator is not None:
+            trained = self.policy_version - self._start_version
+            return self._group_offset + trained * self.config.groups_per_step
+        if self._data_position is not None:
+            return self._data_position
+        return self.policy_version * self.config.groups_per_step
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Load :meth:`get_state` output (only before the first ``training_step``)."""
@@ -196,6 +220,8 @@ class XLongAlgorithm(Algorithm):
         if XLONG in state:
             self._start_state = state[XLONG]["learner"]
             self.policy_version = int(state[XLONG]["policy_version"])
+            position = state[XLONG].get("data_position")
+            self._data_position = int(position) if position is not None else None
             if int(self._start_state["version"]) != self.policy_version:
                 raise ValueError("XLongAlgorithm.set_state: learner state version "
                                  f"{self._start_state['version']} != policy_version "
@@ -244,7 +270,68 @@ class XLongAlgorithm(Algorithm):
                     f"(e.g. callbacks) importable in this process, or pass config=") from exc
         return super().from_checkpoint(str(path), filesystem, **kwargs)
 
+    # -- evaluation ------------------------------------------------------------------------------
+    def evaluate(self, parallel_train_future=None) -> dict[str, Any]:
+        """One evaluation round (``rllib/evaluation.py``): K held-out instances × k samples
+        on the evaluation runners, on the latest policy version. Returns RLlib's
+        ``evaluation`` block (``{"env_runners": {...}}``)."""
+        from ray_xlong.rllib import evaluation as ev
+
+        opt, cfg = self.config.xlong_options, self.evaluation_config
+        if self._evaluation is None:
+            self._evaluation = self._evaluation_runners()
+        specs = ev.eval_specs(opt.eval_task_name, instances=int(cfg.evaluation_duration),
+                              samples=opt.eval_samples or opt.runs_per_group,
+                              seed=int(self.config.seed or 0),
+                              indexed=getattr(self._eval_factory(), "indexed_instances", False),
+                              round_=self._eval_round)
+        self._eval_round += 1
+        start = time.perf_counter()
+        version = self.policy_version
+        results = self._evaluation.run(specs, weights=self._current_weights, version=version,
+                                       timeout_s=float(cfg.evaluation_sample_timeout_s))
+        rewards: dict[str, list[float]] = collections.defaultdict(list)
+        for res in results:
+            rewards[res.run.group_id].append(float(res.run.reward))
+        return {ENV_RUNNER_RESULTS: ev.eval_metrics(rewards, threshold=opt.eval_pass_threshold,
+                                                    version=version,
+                                                    seconds=time.perf_counter() - start)}
+
+    def _eval_factory(self):
+        from ray_xlong.rollout.tasks import TASKS
+
+        opt = self.config.xlong_options
+        return opt.eval_task_factory or TASKS.get(opt.eval_task_name)
+
+    def _evaluation_runners(self):
+        from ray_xlong.rllib.env_runner import RolloutConfig
+        from ray_xlong.rllib.evaluation import evaluation_runners
+
+        opt, cfg = self.config.xlong_options, self.evaluation_config
+        factory = opt.eval_task_factory
+        tasks = dict(self.job.work.tasks())
+        if factory is not None:
+            tasks[opt.eval_task_name] = factory
+        rollout = RolloutConfig(model_dir=self.job.learner.model_dir, backend=opt.engine,
+                                harness=opt.harness, max_batch_size=opt.slots_per_cell,
+                                seed=int(self.config.seed or 0), dtype=self.job.learner.dtype)
+        return evaluation_runners(rollout=rollout, tasks=tasks,
+                                  count=int(cfg.num_env_runners or 0),
+                                  cpus=float(cfg.num_cpus_per_env_runner),
+                                  gpus=float(cfg.num_gpus_per_env_runner or 0))
+
+    def _current_weights(self) -> Any:
+        """An object ref of the current version's weights."""
+        if self.actuator is not None:
+            return self.actuator.learners.weights_ref
+        if self._start_state is not None:
+            return ray.put(self._start_state["weights"])
+        return self.pool.initial_weights
+
     def cleanup(self) -> None:
+        if getattr(self, "_evaluation", None) is not None:
+            self._evaluation.stop()
+            self._evaluation = None
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.shutdown()

@@ -19,6 +19,11 @@ the xlong token loss (PPO clip on model tokens, GRPO group baselines, no critic)
     num_cpus_per_env_runner                   CPUs of a cell's bundle
     num_gpus_per_env_runner                   GPUs of a cell's bundle
     clip_param (PPO)                          PPO clip ε (low = high)
+    kl_coeff, use_kl_loss=False (PPO)         LossConfig.kl_coef (k3 towards the behaviour
+                                              logprobs; 0 when the KL loss is turned off)
+    evaluation_interval, _duration, _unit,    RLlib's evaluation rounds on held-out instances
+    _num_env_runners, _parallel_to_training,  (rllib/evaluation.py)
+    _sample_timeout_s
     model_config["model_dir" | "dtype"]       the HF causal LM the RLModule wraps
     seed                                      seed (model, tasks, engines)
 
@@ -27,12 +32,12 @@ the xlong token loss (PPO clip on model tokens, GRPO group baselines, no critic)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterable
 
 from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
 
 from ray_xlong.rllib.algorithm_config import XLongConfig, XLongOptions
-from ray_xlong.trajectory import LossConfig
 
 BOOKKEEPING = frozenset({
     "log_level", "log_sys_usage", "logger_config", "min_time_s_per_iteration",
@@ -53,9 +58,7 @@ REASONS = {
     "use_critic": "no critic: advantages are GRPO group baselines",
     "vf_loss_coeff": "no value function",
     "vf_clip_param": "no value function",
-    "kl_coeff": "the xlong token loss has no KL term",
-    "use_kl_loss": "the xlong token loss has no KL term",
-    "kl_target": "the xlong token loss has no KL term",
+    "kl_target": "the xlong KL penalty has a fixed coefficient (LossConfig.kl_coef)",
     "entropy_coeff": "the xlong token loss has no entropy term",
     "num_epochs": "one optimizer step per batch of groups",
     "minibatch_size": "micro-batches are token budgets (xlong(micro_batch_tokens=...))",
@@ -83,6 +86,16 @@ def _carry_model_config(out: XLongConfig, value: Any) -> None:
     out.rl_module(model_config=value)
 
 
+def _carry_loss(out: XLongConfig, **fields: Any) -> None:
+    out.xlong(loss=dataclasses.replace(out.xlong_options.loss, **fields))
+
+
+EVALUATION = ("evaluation_interval", "evaluation_duration", "evaluation_duration_unit",
+              "evaluation_num_env_runners", "evaluation_parallel_to_training",
+              "evaluation_sample_timeout_s")
+"""RLlib evaluation settings that carry over as they are (``rllib/evaluation.py``)."""
+
+
 def _carry_cells(out: XLongConfig, value: Any) -> None:
     if value:
         out.env_runners(num_env_runners=int(value))
@@ -102,10 +115,13 @@ CARRY: dict[str, Callable[[XLongConfig, Any], None]] = {
     "num_learners": _carry_cells,
     "num_cpus_per_env_runner": lambda out, v: out.env_runners(num_cpus_per_env_runner=v),
     "num_gpus_per_env_runner": lambda out, v: out.env_runners(num_gpus_per_env_runner=v),
-    "clip_param": lambda out, v: out.xlong(loss=LossConfig(clip_low=v, clip_high=v)),
+    "clip_param": lambda out, v: _carry_loss(out, clip_low=v, clip_high=v),
+    "kl_coeff": lambda out, v: _carry_loss(out, kl_coef=float(v)),
+    "use_kl_loss": lambda out, v: None if v else _carry_loss(out, kl_coef=0.0),
     "_model_config": _carry_model_config,
     "model_config": _carry_model_config,
     "seed": lambda out, v: out.debugging(seed=v),
+    **{key: (lambda out, v, key=key: setattr(out, key, v)) for key in EVALUATION},
 }
 """How each carried setting lands on the XLongConfig."""
 

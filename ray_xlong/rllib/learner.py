@@ -30,6 +30,7 @@ the cell gives them CPU from its bundle (``cells.py``).
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import time
@@ -90,6 +91,10 @@ class XLongLearner(TorchLearner):
         self.tokens = 0
         self.step_stats: dict[int, LearnerStepStats] = {}   # by the version trained
         self.last_loss_stats = LossStats()
+        # KL to a reference policy: the starting weights, frozen (one more copy of the model).
+        self.reference = None
+        if self.settings.loss.needs_reference:
+            self.reference = copy.deepcopy(self.lm).eval().requires_grad_(False)
 
     @property
     def lm(self) -> torch.nn.Module:
@@ -99,8 +104,12 @@ class XLongLearner(TorchLearner):
                                 batch: Mapping[str, Any], fwd_out: Any = None) -> torch.Tensor:
         """``Σ loss_scale · ℓ`` of one packed module batch (see ``trajectory.loss``)."""
         packed = PackedBatch.from_tensors(batch)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = token_logprobs(self.reference, packed)
         loss, _ = policy_loss(token_logprobs(self.module[module_id].lm, packed), packed,
-                              self.settings.loss)
+                              self.settings.loss, ref_logprobs=ref)
         return loss
 
     # -- the elastic step ----------------------------------------------------------------------
@@ -114,7 +123,8 @@ class XLongLearner(TorchLearner):
     def _train(self, packed: PackedBatch) -> int:
         """Accumulate one packed micro-batch's gradient; note its loss statistics and time."""
         start = time.perf_counter()
-        part = accumulate_loss(self.lm, packed, config=self.settings.loss)
+        part = accumulate_loss(self.lm, packed, config=self.settings.loss,
+                               reference=self.reference)
         self._note_step(loss=part.stats, train_s=time.perf_counter() - start)
         self.micro_batches += 1
         self.tokens += part.targets

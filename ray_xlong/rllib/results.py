@@ -46,7 +46,9 @@ AGENT = "agent"
 """``env_runners/agent/...``: the agent statistics of the runs a step trained."""
 LEARNER_KEYS = ("policy_loss", "clip_fraction", "approx_kl", "importance_ratio_min",
                 "importance_ratio_mean", "importance_ratio_max", "entropy", "grad_norm",
-                "tokens_per_s", "num_trainable_tokens", "num_learners")
+                "tokens_per_s", "num_trainable_tokens", "num_learners",
+                "mismatch_log_ratio_mean", "mismatch_log_ratio_max", "masked_fraction",
+                "kl_penalty")
 """``learners/default_policy/<key>`` of every step (:class:`LearnerMetrics` fields)."""
 TIMER_KEYS = ("step_waiting_s", "step_training_s", "step_syncing_s")
 """``timers/<key>`` of every step (:class:`StepTimes` fields)."""
@@ -100,6 +102,15 @@ class LearnerMetrics:
     """The slowest member's seconds (micro-batches + optimizer step)."""
     apply_s: float
     """The slowest member's optimizer-step seconds."""
+    mismatch_log_ratio_mean: float = 0.0
+    """Mean ``log r = lp − lp_behaviour`` over trained tokens (rollout / learner mismatch
+    plus the policy's drift since the tokens were sampled)."""
+    mismatch_log_ratio_max: float = 0.0
+    """Largest ``|log r|`` over trained tokens."""
+    masked_fraction: float = 0.0
+    """Trained tokens masked IS dropped (``LossConfig.token_mask`` / ``sequence_mask``)."""
+    kl_penalty: float = 0.0
+    """Mean KL penalty estimate (``LossConfig.kl_estimator``; 0 without a penalty)."""
 
 
 def learner_metrics(parts: Sequence[LearnerStepStats]) -> LearnerMetrics:
@@ -120,7 +131,10 @@ def learner_metrics(parts: Sequence[LearnerStepStats]) -> LearnerMetrics:
         grad_norm=applied[0].grad_norm if applied else 0.0,
         tokens_per_s=loss.tokens / training_s if training_s > 0 else 0.0,
         num_trainable_tokens=loss.tokens, num_learners=len(parts), training_s=training_s,
-        apply_s=max((p.apply_s for p in parts), default=0.0))
+        apply_s=max((p.apply_s for p in parts), default=0.0),
+        mismatch_log_ratio_mean=loss.mean("log_ratio_sum"),
+        mismatch_log_ratio_max=loss.log_ratio_max, masked_fraction=loss.mean("masked"),
+        kl_penalty=loss.mean("kl_penalty_sum"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

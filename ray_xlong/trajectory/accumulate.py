@@ -43,14 +43,17 @@ class MicroBatchLoss:
 
 
 def accumulate_loss(model: torch.nn.Module, micro: PackedBatch, *,
-                    config: LossConfig = LossConfig()) -> MicroBatchLoss:
+                    config: LossConfig = LossConfig(),
+                    reference: torch.nn.Module | None = None) -> MicroBatchLoss:
     """Forward and backward one micro-batch, adding ``∇ loss`` into the parameters' ``.grad``.
 
     Args:
         model: a HF causal LM (its ``_attn_implementation`` decides how tree rows attend).
         micro: one packed micro-batch (``PackedBatch``; ``PackedBatch.from_tensors`` for the
             tensor form).
-        config: the loss form (PPO clip / truncated IS).
+        config: the loss form (PPO clip / truncated IS, corrections, KL penalty).
+        reference: the frozen reference policy (required when ``config.needs_reference``:
+            its logprobs of the targets, without gradient, enter the KL penalty).
 
     Returns:
         :class:`MicroBatchLoss` (an empty micro-batch computes nothing and returns zeros).
@@ -58,9 +61,16 @@ def accumulate_loss(model: torch.nn.Module, micro: PackedBatch, *,
     n = micro.num_targets
     if n == 0:
         return MicroBatchLoss(0.0, 0, 0.0, 0.0)
+    ref = None
+    if config.needs_reference:
+        if reference is None:
+            raise ValueError("accumulate_loss: LossConfig.kl_reference='reference' needs a "
+                             "reference model")
+        with torch.no_grad():
+            ref = token_logprobs(reference, micro)
     logprobs = token_logprobs(model, micro)
-    loss, stats = policy_loss(logprobs, micro, config)
+    loss, stats = policy_loss(logprobs, micro, config, ref_logprobs=ref)
     loss.backward()
     value = float(loss.detach())
     return MicroBatchLoss(value, n, stats["ratio_mean"], stats["clip_frac"],
-                          loss_stats(logprobs, micro, config, loss=value))
+                          loss_stats(logprobs, micro, config, loss=value, ref_logprobs=ref))

@@ -7,6 +7,9 @@ not counted) with current logprob ``lp``, behaviour logprob ``lp_b``::
     k3_i  = (r_i − 1) − log r_i   ≥ 0               approx KL(behaviour ‖ current), unbiased
     clip  = PPO: r_i outside [1 − ε_lo, 1 + ε_hi]   TIS: r_i > tis_cap (the weight truncated)
     H     ≈ −lp_i                                   entropy estimate on the sampled tokens
+    log r_i, max |log r_i|                          rollout / learner mismatch
+    masked                                          tokens masked IS dropped (``LossConfig``)
+    kl_penalty                                      the loss's KL penalty estimate (k1 / k3)
 
 :class:`LossStats` keeps sums (and min / max), so ``merge`` over micro-batches in any order and
 over the cells of a step gives the statistics of the whole step; the means are read off at the
@@ -20,7 +23,7 @@ import math
 
 import torch
 
-from ray_xlong.trajectory.loss import LossConfig
+from ray_xlong.trajectory.loss import LossConfig, token_terms
 from ray_xlong.trajectory.packing import PackedBatch
 
 
@@ -44,6 +47,14 @@ class LossStats:
     """Σ ``(r − 1) − log r`` (the k3 estimator of KL(behaviour ‖ current))."""
     neg_logprob_sum: float = 0.0
     """Σ ``−lp`` under the current policy (entropy estimate on the sampled tokens)."""
+    log_ratio_sum: float = 0.0
+    """Σ ``log r`` (current − behaviour logprob): the mean is the signed mismatch."""
+    log_ratio_max: float = 0.0
+    """Largest ``|log r|`` (0.0 when no tokens)."""
+    masked: int = 0
+    """Targets masked IS dropped (token or sequence mask)."""
+    kl_penalty_sum: float = 0.0
+    """Σ of the KL penalty estimate (``LossConfig.kl_estimator``; 0 without a penalty)."""
 
     def merge(self, other: "LossStats") -> "LossStats":
         """The statistics of both sets of micro-batches."""
@@ -53,40 +64,49 @@ class LossStats:
             ratio_min=min(self.ratio_min, other.ratio_min),
             ratio_max=max(self.ratio_max, other.ratio_max),
             kl_sum=self.kl_sum + other.kl_sum,
-            neg_logprob_sum=self.neg_logprob_sum + other.neg_logprob_sum)
+            neg_logprob_sum=self.neg_logprob_sum + other.neg_logprob_sum,
+            log_ratio_sum=self.log_ratio_sum + other.log_ratio_sum,
+            log_ratio_max=max(self.log_ratio_max, other.log_ratio_max),
+            masked=self.masked + other.masked,
+            kl_penalty_sum=self.kl_penalty_sum + other.kl_penalty_sum)
 
     def mean(self, name: str) -> float:
-        """Per-token mean of ``clipped`` / ``ratio_sum`` / ``kl_sum`` / ``neg_logprob_sum``
-        (0.0 when no tokens were trained)."""
+        """Per-token mean of a sum or count field (``clipped``, ``ratio_sum``, ``kl_sum``,
+        ``neg_logprob_sum``, ``log_ratio_sum``, ``masked``, ``kl_penalty_sum``; 0.0 when no
+        tokens were trained)."""
         return float(getattr(self, name)) / self.tokens if self.tokens else 0.0
 
 
 def loss_stats(logprobs: torch.Tensor, batch: PackedBatch, config: LossConfig, *,
-               loss: float) -> LossStats:
+               loss: float, ref_logprobs: torch.Tensor | None = None) -> LossStats:
     """The statistics of one micro-batch.
 
     Args:
         logprobs: ``[T]`` current logprobs of the batch's targets (detached or not).
         batch: the packed batch.
-        config: the loss form (decides what counts as clipped).
+        config: the loss form (decides the ratio, what counts as clipped and masked).
         loss: the micro-batch's loss value (``policy_loss``'s first output).
+        ref_logprobs: ``[T]`` reference logprobs (when the loss's KL penalty needs them).
 
     Returns:
         :class:`LossStats` over the targets with ``loss_scale > 0``.
     """
     with torch.no_grad():
-        keep = batch.loss_scale.to(logprobs.device) > 0
-        lp = logprobs.detach().double()[keep]
-        log_ratio = lp - batch.behaviour_logprobs.to(lp.device).double()[keep]
-        ratio = torch.exp(log_ratio)
-        if config.kind == "ppo_clip":
-            clipped = (ratio < 1.0 - config.clip_low) | (ratio > 1.0 + config.clip_high)
-        else:
-            clipped = ratio > config.tis_cap
+        lp_all = logprobs.detach().double()
+        ref = ref_logprobs.detach().double() if ref_logprobs is not None else None
+        t = token_terms(lp_all, batch, config, ref_logprobs=ref)
+        keep = batch.loss_scale.to(lp_all.device) > 0
+        lp, log_ratio = lp_all[keep], t.log_ratio[keep]
+        ratio = t.ratio[keep]
         n = int(lp.numel())
+        token_ratio = torch.exp(log_ratio)
         return LossStats(
-            tokens=n, loss_sum=float(loss), clipped=int(clipped.sum()),
+            tokens=n, loss_sum=float(loss), clipped=int(t.clipped[keep].sum()),
             ratio_sum=float(ratio.sum()),
             ratio_min=float(ratio.min()) if n else math.inf,
             ratio_max=float(ratio.max()) if n else -math.inf,
-            kl_sum=float(((ratio - 1.0) - log_ratio).sum()), neg_logprob_sum=float(-lp.sum()))
+            kl_sum=float(((token_ratio - 1.0) - log_ratio).sum()),
+            neg_logprob_sum=float(-lp.sum()),
+            log_ratio_sum=float(log_ratio.sum()),
+            log_ratio_max=float(log_ratio.abs().max()) if n else 0.0,
+            masked=int((t.mask[keep] == 0).sum()), kl_penalty_sum=float(t.kl[keep].sum()))

@@ -1,6 +1,8 @@
 """XLongAlgorithm on a local Ray: ``train()`` drives the cells one step at a time and returns
 RLlib-style metrics, user callbacks fire, checkpoints restore in a new process at the same
-iteration and policy version, and (slow) the reward rises on the learnable task."""
+iteration, policy version and task position, a task defined in the user's script reaches every
+cell (by factory; by a name registered in the driver), RLlib's ``.evaluation`` adds held-out
+results at its interval, and (slow) the reward rises on the learnable task."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ ray = pytest.importorskip("ray")
 
 from ray.rllib.callbacks.callbacks import RLlibCallback  # noqa: E402
 
-from ray_xlong.rllib.algorithm_config import XLongConfig  # noqa: E402
+from ray_xlong.rllib.algorithm_config import RECIPE_HARNESS, XLongConfig  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -37,9 +39,42 @@ class RecordingCallbacks(RLlibCallback):
         RecordingCallbacks.seen.append(("result", result["xlong"]["policy_version"]))
 
 
+def user_task():
+    """A task as a user's script defines it: built in a function, so that it is pickled by
+    value (like a class of a script's ``__main__``), never imported by the cells."""
+    from ray_xlong.rollout.tasks import Observation, ToolError
+
+    class Echo:
+        """Say the word back (reward 1 when the answer holds it)."""
+
+        tools = ()
+
+        def __init__(self, seed):
+            self.word, self.answer = ("red", "green", "blue", "amber")[seed % 4], None
+
+        def reset(self):
+            self.answer = None
+            return Observation("Repeat the word.", f"Say {self.word}.")
+
+        async def call_tool(self, name, args):
+            raise ToolError(f"no tools (called {name!r})")
+
+        def submit(self, answer):
+            self.answer = answer
+
+        def score(self):
+            return float(self.answer is not None and self.word in self.answer)
+
+        def close(self):
+            pass
+
+    return Echo
+
+
 def small_config(model_dir: str, *, mode: str = "elastic", seed: int = 0) -> XLongConfig:
     """2 cells, 2 groups × 4 runs per step, on a plain tiny model (plumbing, not learning)."""
-    return (XLongConfig().training(train_batch_size_per_learner=8).debugging(seed=seed)
+    return (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=8)
+            .debugging(seed=seed)
             .callbacks(RecordingCallbacks)
             .xlong(mode=mode, cells=2, runs_per_group=4, slots_per_cell=8, model_dir=model_dir,
                    placement_strategy="PACK"))
@@ -63,9 +98,13 @@ def plain_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(local_ray, plain_model, tmp_path_factory):
-    """An algorithm after two steps and its checkpoint (shared: building cells costs ~30 s)."""
+    """An algorithm after two steps and its checkpoint (shared: building cells costs ~30 s).
+    Its task is the user's own, given by factory, and it evaluates on held-out instances of
+    it every second iteration (2 instances × 2 samples)."""
     RecordingCallbacks.seen.clear()
-    algo = small_config(plain_model).build_algo()
+    algo = (small_config(plain_model).xlong(task=user_task(), eval_samples=2)
+            .evaluation(evaluation_interval=2, evaluation_duration=2).build_algo())
+    assert algo.job.work.task.endswith("user_task.<locals>.Echo")
     results = [algo.train() for _ in range(2)]
     path = tmp_path_factory.mktemp("ckpt") / "algo"
     algo.save_to_path(str(path))
@@ -93,6 +132,23 @@ def test_train_returns_rllib_metrics(trained):
 
 
 @pytest.mark.slow
+def test_evaluation_results_come_at_the_interval_and_pass_rllibs_check(trained):
+    """``.evaluation(evaluation_interval=2, evaluation_duration=2)``: iteration 1 has no
+    ``evaluation`` block, iteration 2 has RLlib's ``evaluation/env_runners/...`` with the
+    held-out runs of the user's task; both results pass RLlib's own result check."""
+    from ray.rllib.utils.test_utils import check_train_results_new_api_stack
+
+    results, _, _ = trained
+    assert "evaluation" not in results[0]
+    ev = results[1]["evaluation"]["env_runners"]
+    assert (ev["num_instances"], ev["num_episodes"], ev["policy_version"]) == (2, 4, 2)
+    assert 0.0 <= ev["pass_at_1"] <= ev["pass_at_2"] <= 1.0
+    assert ev["episode_return_min"] <= ev["episode_return_mean"] <= ev["episode_return_max"]
+    for r in results:
+        check_train_results_new_api_stack(r)
+
+
+@pytest.mark.slow
 def test_user_callbacks_fire(trained):
     assert RecordingCallbacks.seen == [("init", None), ("result", 1), ("result", 2)]
 
@@ -117,9 +173,11 @@ FROM_CHECKPOINT = textwrap.dedent("""
     r = algo.train()
     json.dump({"error": error, "restored": restored, "weights_equal": same,
                "version_restored": before["policy_version"],
+               "data_position": before["data_position"],
                "iteration": r["training_iteration"],
                "version": r["xlong"]["policy_version"],
                "first_version_trained_on": algo.reports[0].version - 1,
+               "data_position_after": algo.data_position,
                "callbacks": sys.modules[module].RecordingCallbacks.seen},
               open(os.path.join(out, "r.json"), "w"))
     algo.stop()
@@ -147,7 +205,10 @@ def test_from_checkpoint_continues_in_a_new_process(trained, tmp_path):
     got = json.loads((tmp_path / "r.json").read_text())
     assert "cannot load the saved config" in got.pop("error")
     # trained: 2 steps, so the restored algorithm is at iteration 2, version 2 and steps on
+    # data_position: 2 steps × 2 groups drawn before the save: the restored job goes on
+    # there (groups 4 and 5 in its first step)
     assert got == {"restored": [2, 2], "weights_equal": True, "version_restored": 2,
+                   "data_position": 4, "data_position_after": 6,
                    "iteration": 3, "version": 3,
                    "first_version_trained_on": 2, "callbacks": [["init", None], ["result", 3]]}
 
@@ -161,7 +222,7 @@ def test_reward_rises_in_elastic_mode(warm_cache):
     if ray.is_initialized():
         ray.shutdown()
     model_dir = warm_started_model_dir(warm_cache, seed=1)
-    algo = (XLongConfig().debugging(seed=1)
+    algo = (XLongConfig().debugging(seed=1).lookup_recipe()
             .xlong(mode="elastic", cells=2, model_dir=model_dir, placement_strategy="PACK")
             .build_algo())
     try:
@@ -192,20 +253,27 @@ def test_a_users_learner_connector_piece_runs_on_the_training_batch(local_ray, p
                               reduce="sum")
             return batch
 
+    from ray_xlong.rollout.tasks import TASKS, register_task
+
+    register_task("echo_by_name", user_task())    # registered in the driver only
     mine = (PPOConfig().training(lr=1e-4, train_batch_size_per_learner=8,
                                  learner_connector=lambda obs, act: MarkingPiece())
             .env_runners(num_env_runners=2).debugging(seed=0))
     algo = ray_xlong.enable(mine, mode="elastic", runs_per_group=4, slots_per_cell=8,
+                            harness=RECIPE_HARNESS, task="echo_by_name",
                             model_dir=plain_model, placement_strategy="PACK").build_algo()
     try:
-        result = algo.train()
+        results = [algo.train() for _ in range(2)]         # the task reached every cell
+        result = results[-1]
         keys = ("calls", "episodes", "before_batch")
         seen = [ray.get(c.learner.__ray_call__.remote(
             lambda self: {k: self.metrics.peek(("user_piece", k), default=0) for k in keys}))
             for c in algo.pool.cells]
     finally:
         algo.stop()
+        TASKS.pop("echo_by_name")
     total = {k: sum(s[k] for s in seen) for k in keys}
     trained = result["env_runners"]["num_episodes"]
+    assert [r["env_runners"]["num_episodes"] for r in results] == [8, 8]
     assert trained == 8 and total["episodes"] >= trained     # every trained run went through it
     assert total["calls"] >= 1 and total["before_batch"] == total["calls"]

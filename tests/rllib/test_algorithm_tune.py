@@ -49,7 +49,8 @@ def trial_dir(tmp_path_factory):
     model_dir = str(build_tiny_model_dir(tmp / "policy", seed=0))
     # the trial's driver bundle (1 CPU) + two cells (1 CPU, 1 logical GPU each)
     ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    config = (XLongConfig().training(train_batch_size_per_learner=4).debugging(seed=0)
+    config = (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=4)
+              .debugging(seed=0)
               .xlong(mode="elastic", cells=2, runs_per_group=2, slots_per_cell=4,
                      model_dir=model_dir, placement_strategy="PACK"))
     try:

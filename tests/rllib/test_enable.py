@@ -11,7 +11,7 @@ from ray.rllib.callbacks.callbacks import RLlibCallback
 
 import ray_xlong
 from ray_xlong.rllib.algorithm import XLongAlgorithm
-from ray_xlong.rllib.algorithm_config import XLongConfig
+from ray_xlong.rllib.algorithm_config import AGENT_HARNESS, XLongConfig
 from ray_xlong.rllib.enable import EnableError
 
 
@@ -73,7 +73,8 @@ def test_appo_settings_survive(tmp_path):
 
 def test_unchanged_algorithm_config_takes_xlong_defaults(tmp_path):
     cfg = ray_xlong.enable(AlgorithmConfig(), model_dir=str(tmp_path))
-    assert (cfg.lr, cfg.grad_clip, cfg.groups_per_step) == (5e-4, 1.0, 16)   # the recipe
+    assert (cfg.lr, cfg.grad_clip, cfg.groups_per_step) == (1e-6, 1.0, 16)   # real models
+    assert cfg.xlong_options.harness == AGENT_HARNESS
 
 
 def test_settings_that_cannot_carry_over_are_all_named(tmp_path):
@@ -88,6 +89,21 @@ def test_settings_that_cannot_carry_over_are_all_named(tmp_path):
     cfg = ray_xlong.enable(user, ignore=("env", "gamma", "entropy_coeff"),
                            model_dir=str(tmp_path))
     assert cfg.lr == 1e-3
+
+
+def test_ppo_kl_clip_and_evaluation_settings_carry_over(tmp_path):
+    user = (PPOConfig().training(clip_param=0.1, kl_coeff=0.05, train_batch_size_per_learner=16)
+            .evaluation(evaluation_interval=3, evaluation_duration=4,
+                        evaluation_num_env_runners=1))
+    cfg = ray_xlong.enable(user, runs_per_group=8, model_dir=str(tmp_path))
+    loss = cfg.xlong_options.loss
+    assert (loss.clip_low, loss.clip_high, loss.kl_coef, loss.kl_reference) == \
+        (0.1, 0.1, 0.05, "behaviour")
+    assert (cfg.evaluation_interval, cfg.evaluation_duration,
+            cfg.evaluation_num_env_runners) == (3, 4, 1)
+    cfg.validate()
+    off = ray_xlong.enable(PPOConfig().training(use_kl_loss=False), model_dir=str(tmp_path))
+    assert off.xlong_options.loss.kl_coef == 0.0
 
 
 @pytest.mark.parametrize("options, field", [

@@ -131,7 +131,8 @@ def results(model_dir):
 
     handler = Keep(level=logging.WARNING)
     logging.getLogger("ray._common.deprecation").addHandler(handler)
-    config = (XLongConfig().training(train_batch_size_per_learner=8).debugging(seed=0)
+    config = (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=8)
+              .debugging(seed=0)
               .xlong(mode="elastic", cells=2, runs_per_group=4, slots_per_cell=8,
                      model_dir=model_dir, placement_strategy="PACK"))
     try:
@@ -188,3 +189,14 @@ def test_agent_stats_describe_the_runs_trained(results):
 @pytest.mark.slow
 def test_no_deprecation_warning_from_rllibs_metrics_logger(results):
     assert results[1] == []
+
+
+@pytest.mark.slow
+def test_mismatch_metrics_are_reported(results):
+    """The off-policy mismatch of every step (``trajectory/loss.py``): log-ratio mean / max,
+    masked fraction and KL penalty (both 0: the default loss masks nothing and has no KL)."""
+    for r in results[0]:
+        lr = r["learners"]["default_policy"]
+        assert abs(lr["mismatch_log_ratio_mean"]) <= lr["mismatch_log_ratio_max"]
+        assert math.isfinite(lr["mismatch_log_ratio_max"])
+        assert lr["masked_fraction"] == 0.0 and lr["kl_penalty"] == 0.0

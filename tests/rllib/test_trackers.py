@@ -101,7 +101,8 @@ def test_unknown_tracker_is_an_error_naming_it(tmp_path):
 @pytest.mark.rllib
 def test_tuner_with_tracker_callbacks_logs_the_algorithms_metrics(local_ray, tmp_path):
     """Two iterations of XLongAlgorithm under tune.Tuner with the W&B and MLflow callbacks:
-    what they wrote equals the trial's result.json."""
+    what they wrote equals the trial's result.json, the evaluation block of iteration 2
+    included (run by an evaluation runner actor beside the step, RLlib's parallel mode)."""
     from ray import tune
 
     from ray_xlong.models import build_tiny_model_dir
@@ -111,9 +112,13 @@ def test_tuner_with_tracker_callbacks_logs_the_algorithms_metrics(local_ray, tmp
     ray.shutdown()
     ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, log_to_driver=False)
     model_dir = str(build_tiny_model_dir(tmp_path / "policy", seed=0))
-    config = (XLongConfig().training(train_batch_size_per_learner=4).debugging(seed=0)
+    config = (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=4)
+              .debugging(seed=0)
               .xlong(mode="elastic", cells=2, runs_per_group=2, slots_per_cell=4,
-                     model_dir=model_dir, placement_strategy="PACK"))
+                     model_dir=model_dir, placement_strategy="PACK", eval_samples=2)
+              .evaluation(evaluation_interval=2, evaluation_duration=1,
+                          evaluation_num_env_runners=1, evaluation_parallel_to_training=True,
+                          evaluation_config={"num_cpus_per_env_runner": 0}))
     out = tmp_path / "trackers"
     grid = tune.Tuner(XLongAlgorithm, param_space=config, run_config=tune.RunConfig(
         name="xl", storage_path=str(tmp_path / "results"), stop={"training_iteration": 2},
@@ -131,4 +136,10 @@ def test_tuner_with_tracker_callbacks_logs_the_algorithms_metrics(local_ray, tmp
     history = mlflow_history(out, "xl", key)
     assert [step for step, _ in history] == [1, 2]
     assert [value for _, value in history] == pytest.approx(want)
+    # RLlib's evaluation block (iteration 2 only) reaches both trackers under its own keys
+    ev_key = "evaluation/env_runners/pass_at_2"
+    ev_want = [r["evaluation"]["env_runners"]["pass_at_2"] for r in lines if "evaluation" in r]
+    assert len(ev_want) == 1
+    assert [r[ev_key] for r in rows if r.get(ev_key) is not None] == pytest.approx(ev_want)
+    assert mlflow_history(out, "xl", ev_key) == [(2, pytest.approx(ev_want[0]))]
     assert os.environ.get("WANDB_MODE") == "offline"

@@ -55,7 +55,8 @@ def test_runs_get_their_cells_endpoint_and_train(tmp_path):
     os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="rx", dir="/tmp"))
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        config = (XLongConfig().debugging(seed=0).training(train_batch_size_per_learner=8)
+        config = (XLongConfig().debugging(seed=0).lookup_recipe()
+                  .training(train_batch_size_per_learner=8)
                   .xlong(mode="elastic", cells=2, runs_per_group=4, model_dir=model_dir,
                          staleness_bound=0, placement_strategy="PACK", slots_per_cell=4,
                          task="url-agent",

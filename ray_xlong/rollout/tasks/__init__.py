@@ -1,6 +1,7 @@
 """Tasks: the interface (``base.py``) and a registry of the built-in tasks.
 
 ``lookup`` is the learnable task (RL climbs it within ~30 steps; see ``lookup.py``).
+``dataset.py``: tasks whose instances are the rows of a JSONL / parquet / HF dataset.
 ``make_task(name, seed=...)`` builds a :class:`TaskEnv`; an unknown name raises
 :class:`UnknownTaskError` listing the known ones. ``register_task`` adds a factory.
 """
@@ -11,6 +12,8 @@ from ray_xlong.rollout.tasks.arithmetic import ArithmeticTask
 from ray_xlong.rollout.tasks.base import (Observation, TaskEnv, TaskFactory, TaskFailure,
                                          ToolError, UnknownTaskError)
 from ray_xlong.rollout.tasks.code import CodeTask
+from ray_xlong.rollout.tasks.dataset import (DataPosition, DatasetRowError, DatasetTask,
+                                            PromptEnv, exact_match)
 from ray_xlong.rollout.tasks.long_horizon import LongHorizonConfig, LongHorizonTask
 from ray_xlong.rollout.tasks.lookup import LookupTask
 
@@ -21,6 +24,9 @@ TASKS: dict[str, TaskFactory] = {
     "lookup": LookupTask,
 }
 """Registered tasks, by name."""
+BUILTIN_TASKS: dict[str, TaskFactory] = dict(TASKS)
+"""The tasks every process knows (a task registered at run time reaches the cells through the
+config: ``.xlong(task=...)`` sends its factory)."""
 
 
 def register_task(name: str, factory: TaskFactory) -> None:
@@ -37,7 +43,7 @@ def make_task(name: str, *, seed: int) -> TaskEnv:
     return TASKS[name](seed)
 
 
-__all__ = ["ArithmeticTask", "CodeTask", "LongHorizonConfig", "LongHorizonTask", "LookupTask",
-           "Observation",
-           "TASKS", "TaskEnv", "TaskFactory", "TaskFailure", "ToolError", "UnknownTaskError",
-           "make_task", "register_task"]
+__all__ = ["BUILTIN_TASKS", "ArithmeticTask", "CodeTask", "DataPosition", "DatasetRowError",
+           "DatasetTask", "LongHorizonConfig", "LongHorizonTask", "LookupTask", "Observation",
+           "PromptEnv", "TASKS", "TaskEnv", "TaskFactory", "TaskFailure", "ToolError",
+           "UnknownTaskError", "exact_match", "make_task", "register_task"]
