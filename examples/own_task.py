@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.rollout.tasks import DatasetTask, register_task
-    from ray_xlong.tools.train import ensure_ray
+    from ray_xlong.jobs.train import ensure_ray
 
     work = pathlib.Path(tempfile.mkdtemp(prefix="rx-own-task-"))
     model_dir = str(build_tiny_model_dir(work / "policy", seed=0))

@@ -44,10 +44,7 @@ from ray_xlong.trajectory import LossConfig
 ENGINES = ("hf", "vllm")
 """Valid ``XLongOptions.engine`` values."""
 RECIPE_HARNESS = HarnessConfig(max_new_tokens=8, max_calls=4, max_retries=1)
-<<<<<<< HEAD
-"""Run budgets of the lookup recipe (``benchmarks.tools.local_rl.LocalRLConfig.harness``)."""
-=======
-"""Run budgets of the tiny lookup recipe (``tools.local_rl.LocalRLConfig.harness``): demos and
+"""Run budgets of the tiny lookup recipe (``benchmarks/tools/local_rl.py``: ``LocalRLConfig.harness``): demos and
 tests on tiny CPU models set it explicitly (:meth:`XLongConfig.lookup_recipe`)."""
 RECIPE_LR = 5e-4
 """Learning rate of the tiny lookup recipe."""
@@ -60,7 +57,6 @@ AGENT_HARNESS = HarnessConfig(
 context starts from (``docs/own-task.md`` has the table and the reasons)."""
 AGENT_LR = 1e-6
 """Default learning rate (``XLongConfig.lr``) for full fine-tuning of a 1.5B–8B policy."""
->>>>>>> i25
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -236,14 +232,9 @@ class XLongConfig(AlgorithmConfig):
         from ray_xlong.rllib.algorithm import XLongAlgorithm
 
         super().__init__(algo_class=algo_class or XLongAlgorithm)
-<<<<<<< HEAD
-        # The lookup recipe (benchmarks/tools/local_rl.py): lr, clip, 16 groups × 8 runs per step.
-        self.lr = 5e-4
-=======
         # Defaults for a 1.5B–8B agent: lr, clip, 16 groups × 8 runs per step (the tiny
         # lookup recipe sets its own: lookup_recipe()).
         self.lr = AGENT_LR
->>>>>>> i25
         self.grad_clip = 1.0
         self.train_batch_size_per_learner = 128
         self.train_batch_size = 128
