@@ -37,15 +37,16 @@ pieces, then ``PrefixTreeConnector`` (RLlib's order), on the episodes of the run
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import pathlib
 import pickle
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.rllib.algorithms.algorithm import Algorithm
-from ray.rllib.algorithms.algorithm_config import AlgorithmConfig
+from ray.rllib.algorithms.algorithm_config import AlgorithmConfig, NotProvided
 from ray.rllib.callbacks.utils import make_callback
 from ray.rllib.utils import force_list
 from ray.rllib.utils.checkpoints import Checkpointable
@@ -53,9 +54,13 @@ from ray.rllib.utils.debug import update_global_seed_if_necessary
 from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
+from ray_xlong.checks import is_int as _is_int
 from ray_xlong.rllib import results as rx_results
-from ray_xlong.rllib.algorithm_config import XLongConfig
+from ray_xlong.rllib.options import (AGENT_LR, RECIPE_HARNESS, RECIPE_LR, XLongOptions)
 from ray_xlong.cells.stepping import StepReport, SteppingActuator
+from ray_xlong.rollout import HarnessConfig
+from ray_xlong.rollout.tasks import TaskFactory
+from ray_xlong.trajectory import LossConfig
 
 XLONG = "xlong"
 """Result key of the xlong metrics."""
@@ -347,3 +352,136 @@ def _ensure_ray(layout) -> None:
                * layout.cpus_per_bundle)
     ray.init(num_cpus=int(-(-cpus // 1)), num_gpus=gpus, include_dashboard=False,
              log_to_driver=False)
+
+
+class XLongConfig(AlgorithmConfig):
+    """AlgorithmConfig of :class:`~ray_xlong.rllib.algorithm.XLongAlgorithm` (module doc)."""
+
+    def __init__(self, algo_class: type | None = None) -> None:
+        super().__init__(algo_class=algo_class or XLongAlgorithm)
+        # Defaults for a 1.5B–8B agent: lr, clip, 16 groups × 8 runs per step (the tiny
+        # lookup recipe sets its own: lookup_recipe()).
+        self.lr = AGENT_LR
+        self.grad_clip = 1.0
+        self.train_batch_size_per_learner = 128
+        self.train_batch_size = 128
+        self.xlong_options = XLongOptions()
+
+    def xlong(self, *, mode: str = NotProvided, cells: int = NotProvided,
+              nodes_per_cell: int = NotProvided, cpus_per_cell: float = NotProvided,
+              gpus_per_node: int = NotProvided, placement_strategy: str = NotProvided,
+              slots_per_cell: int = NotProvided, async_rollout_cells: int = NotProvided,
+              runs_per_group: int = NotProvided, max_trajectories_per_run: int = NotProvided,
+              staleness_bound: int = NotProvided, micro_batch_tokens: int = NotProvided,
+              engine: str = NotProvided, task: str | TaskFactory = NotProvided,
+              agent_task: Callable[[int], Any] = NotProvided,
+              eval_task: str | TaskFactory | None = NotProvided,
+              eval_samples: int | None = NotProvided,
+              eval_pass_threshold: float = NotProvided, model_dir: str = NotProvided,
+              dtype: str = NotProvided, loss: LossConfig = NotProvided, pack: str = NotProvided,
+              normalize_std: bool = NotProvided, harness: HarnessConfig = NotProvided,
+              max_steps: int = NotProvided, poll_s: float = NotProvided,
+              spool_dir: str = NotProvided) -> "XLongConfig":
+        """Set xlong options (fields of :class:`XLongOptions`; validated here). Returns self."""
+        given = {k: v for k, v in locals().items() if k != "self" and v is not NotProvided}
+        for name in ("task", "eval_task"):
+            if name in given:
+                given[f"{name}_factory"] = None     # resolved again from the new task
+        self.xlong_options = dataclasses.replace(self.xlong_options, **given)
+        return self
+
+    def lookup_recipe(self) -> "XLongConfig":
+        """The tiny lookup recipe's lr and run budgets (:data:`RECIPE_LR`,
+        :data:`RECIPE_HARNESS`) instead of the real-model defaults: for demos and tests on
+        tiny CPU models. Returns self."""
+        return self.training(lr=RECIPE_LR).xlong(harness=RECIPE_HARNESS)
+
+    # -- what the options resolve to -----------------------------------------------------------
+    @property
+    def num_cells(self) -> int:
+        """Cells of the job (``.xlong(cells)`` or ``num_env_runners`` or 2)."""
+        opt = self.xlong_options
+        if opt.cells is not None and self.num_env_runners not in (0, opt.cells):
+            raise ValueError(f"XLongConfig: xlong(cells={opt.cells}) and env_runners("
+                             f"num_env_runners={self.num_env_runners}) disagree (a cell hosts "
+                             f"one env runner)")
+        return opt.cells or self.num_env_runners or 2
+
+    @property
+    def groups_per_step(self) -> int:
+        """Groups a step trains: ``total_train_batch_size`` runs ÷ ``runs_per_group``."""
+        runs, r = int(self.total_train_batch_size), self.xlong_options.runs_per_group
+        if runs < r or runs % r:
+            raise ValueError(f"XLongConfig.train_batch_size_per_learner ({runs} runs per step) "
+                             f"must be a multiple of xlong(runs_per_group={r})")
+        return runs // r
+
+    @property
+    def policy_model_dir(self) -> str:
+        """The policy directory (``rl_module(model_config)`` first, then ``.xlong``)."""
+        cfg = self.model_config if isinstance(self.model_config, dict) else {}
+        path = cfg.get("model_dir") or self.xlong_options.model_dir
+        if not path:
+            raise ValueError("XLongOptions.model_dir: no policy directory (set .xlong("
+                             "model_dir=...) or .rl_module(model_config={'model_dir': ...}))")
+        return str(path)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_learners:
+            raise ValueError(f"XLongConfig.num_learners must be 0 (each cell hosts its own "
+                             f"Learner; set cells instead), got {self.num_learners}")
+        if self.grad_clip_by != "global_norm" and self.grad_clip is not None:
+            raise ValueError(f"XLongConfig.grad_clip_by must be 'global_norm', "
+                             f"got {self.grad_clip_by!r}")
+        self._validate_evaluation()
+        self.job_config(group_offset=0)
+
+    def _validate_evaluation(self) -> None:
+        """RLlib's evaluation settings xlong runs (``rllib/evaluation.py``)."""
+        if not self.evaluation_interval:
+            return
+        duration, unit = self.evaluation_duration, self.evaluation_duration_unit
+        if not (_is_int(duration) and duration >= 1):
+            raise ValueError(f"XLongConfig.evaluation_duration must be an int >= 1 (held-out "
+                             f"instances per round), got {duration!r}")
+        if unit != "episodes":
+            raise ValueError(f"XLongConfig.evaluation_duration_unit must be 'episodes' (an "
+                             f"episode is a run), got {unit!r}")
+        if self.xlong_options.agent_task is not None and self.xlong_options.eval_task is None:
+            raise ValueError("XLongConfig.evaluation_interval: evaluating an external agent "
+                             "task is not supported; set xlong(eval_task=...) to a task")
+
+    def job_config(self, *, group_offset: int):
+        """The cell layer's job record (``ray_xlong.cells.config.XLongConfig``)."""
+        from ray_xlong.cells.pool import CellLayout
+        from ray_xlong.cells.config import CellJobConfig
+        from ray_xlong.cells.config import LearnerSettings
+        from ray_xlong.cells.task_job import TaskJob
+        from ray_xlong.scheduling import SchedulingConfig
+        from ray_xlong.trajectory import ProcessorConfig
+
+        opt = self.xlong_options
+        cpus = opt.cpus_per_cell or float(self.num_cpus_per_env_runner or 1)
+        gpus = opt.gpus_per_node if opt.gpus_per_node is not None else max(
+            int(self.num_gpus_per_env_runner or 0), 1)
+        cfg = self.model_config if isinstance(self.model_config, dict) else {}
+        learner = LearnerSettings(model_dir=self.policy_model_dir, lr=float(self.lr),
+                                  loss=opt.loss, dtype=cfg.get("dtype", opt.dtype),
+                                  micro_batch_tokens=opt.micro_batch_tokens,
+                                  grad_clip=self.grad_clip)
+        return CellJobConfig(
+            mode=opt.mode,
+            job=SchedulingConfig(opt.max_steps, self.groups_per_step, opt.runs_per_group,
+                                 opt.staleness_bound),
+            layout=CellLayout(cells=self.num_cells, nodes_per_cell=opt.nodes_per_cell,
+                              gpus_per_node=gpus, cpus_per_bundle=cpus,
+                              strategy=opt.placement_strategy),
+            learner=learner, slots_per_cell=opt.slots_per_cell,
+            async_rollout_cells=opt.async_rollout_cells,
+            work=TaskJob(opt.task_name, seed=int(self.seed or 0), group_offset=group_offset,
+                         agent=opt.agent_task, factory=opt.task_factory),
+            harness=opt.harness,
+            processor=ProcessorConfig(max_trajectories_per_run=opt.max_trajectories_per_run,
+                                      pack=opt.pack, normalize_std=opt.normalize_std),
+            poll_s=opt.poll_s, spool_dir=opt.spool_dir)
