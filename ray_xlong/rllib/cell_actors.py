@@ -135,15 +135,13 @@ class CellRunner(AgentEnvRunner):
         """The weights of ``version`` from the sender of ``spec``'s sync group, bucket by
         bucket (``cells/broadcast.py``), then loaded as :meth:`set_weights` loads them: between
         engine batches, into every engine of the cell. Returns the seconds it took."""
-        from ray_xlong.cells.weight_sync import SyncGroups
+        from ray_xlong.cells.weight_sync import sync_groups
 
         t = time.perf_counter()
         if hasattr(self.engine, "receive_weights"):    # engine actors: the first receives
             self._call(self.engine.receive_weights(spec, version))
             return time.perf_counter() - t
-        if not hasattr(self, "_sync_groups"):
-            self._sync_groups = SyncGroups()
-        self.set_weights(self._sync_groups.receive(spec, version), version)
+        self.set_weights(sync_groups(self).receive(spec, version), version)
         return time.perf_counter() - t
 
     def engine_routing(self) -> Any:

@@ -208,17 +208,15 @@ class XLongLearner(TorchLearner):
     def send_weights(self, spec: Any, version: int) -> int:
         """Broadcast this learner's weights of ``version`` to the runners of ``spec``'s sync
         group (``cells/broadcast.py``; this learner is its rank 0). Returns bytes sent."""
-        from ray_xlong.cells.weight_sync import SyncGroups
+        from ray_xlong.cells.weight_sync import sync_groups
 
         if version != self.version:
             raise RuntimeError(f"XLongLearner.send_weights: learner at version {self.version}, "
                                f"asked to send version {version}")
-        if not hasattr(self, "_sync_groups"):
-            self._sync_groups = SyncGroups()
         # the live tensors, not get_weights()'s clones: send() copies them into its buckets
         # and this actor runs nothing else meanwhile
         weights = {k: v.detach() for k, v in self.lm.state_dict().items()}
-        return self._sync_groups.send(spec, weights, version)
+        return sync_groups(self).send(spec, weights, version)
 
     def get_xlong_state(self) -> dict[str, Any]:
         """Weights + optimizer state + version: what a joining learner loads."""
