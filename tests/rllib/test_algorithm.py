@@ -20,64 +20,10 @@ import pytest
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
-from ray.rllib.callbacks.callbacks import RLlibCallback  # noqa: E402
-
+from algo_helpers import RecordingCallbacks, user_task  # noqa: E402
 from ray_xlong.rllib.algorithm_config import RECIPE_HARNESS, XLongConfig  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-class RecordingCallbacks(RLlibCallback):
-    """Records what RLlib's callback hooks saw (driver process)."""
-
-    seen: list = []
-
-    def on_algorithm_init(self, *, algorithm, **kwargs):
-        RecordingCallbacks.seen.append(("init", None))
-
-    def on_train_result(self, *, algorithm, result, **kwargs):
-        RecordingCallbacks.seen.append(("result", result["xlong"]["policy_version"]))
-
-
-def user_task():
-    """A task as a user's script defines it: built in a function, so that it is pickled by
-    value (like a class of a script's ``__main__``), never imported by the cells."""
-    from ray_xlong.rollout.tasks import Observation, ToolError
-
-    class Echo:
-        """Say the word back (reward 1 when the answer holds it)."""
-
-        tools = ()
-
-        def __init__(self, seed):
-            self.word, self.answer = ("red", "green", "blue", "amber")[seed % 4], None
-
-        def reset(self):
-            self.answer = None
-            return Observation("Repeat the word.", f"Say {self.word}.")
-
-        async def call_tool(self, name, args):
-            raise ToolError(f"no tools (called {name!r})")
-
-        def submit(self, answer):
-            self.answer = answer
-
-        def score(self):
-            return float(self.answer is not None and self.word in self.answer)
-
-        def close(self):
-            pass
-
-    return Echo
-
-
-def small_config(model_dir: str, *, mode: str = "elastic", seed: int = 0) -> XLongConfig:
-    """2 cells, 2 groups × 4 runs per step, on a plain tiny model (plumbing, not learning)."""
-    return (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=8)
-            .debugging(seed=seed)
-            .callbacks(RecordingCallbacks)
-            .xlong(mode=mode, cells=2, runs_per_group=4, slots_per_cell=8, model_dir=model_dir,
-                   placement_strategy="PACK"))
 
 
 @pytest.fixture(scope="module")
@@ -97,21 +43,10 @@ def plain_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(local_ray, plain_model, tmp_path_factory):
-    """An algorithm after two steps and its checkpoint (shared: building cells costs ~30 s).
-    Its task is the user's own, given by factory, and it evaluates on held-out instances of
-    it every second iteration (2 instances × 2 samples)."""
-    RecordingCallbacks.seen.clear()
-    algo = (small_config(plain_model).xlong(task=user_task(), eval_samples=2)
-            .evaluation(evaluation_interval=2, evaluation_duration=2).build_algo())
-    assert algo.job.work.task.endswith("user_task.<locals>.Echo")
-    results = [algo.train() for _ in range(2)]
-    path = tmp_path_factory.mktemp("ckpt") / "algo"
-    algo.save_to_path(str(path))
-    weights = {k: v.clone() for k, v in ray.get(algo.actuator.learners.state_ref)["weights"]
-               .items()}
-    algo.stop()
-    return results, path, weights
+def trained(trained_algo):
+    """The shared trained algorithm (``conftest.trained_algo``) as it was after two steps:
+    their results, its checkpoint and the Learner's weights then."""
+    return trained_algo.results[:2], trained_algo.checkpoint, trained_algo.weights
 
 
 @pytest.mark.slow
@@ -149,8 +84,8 @@ def test_evaluation_results_come_at_the_interval_and_pass_rllibs_check(trained):
 
 
 @pytest.mark.slow
-def test_user_callbacks_fire(trained):
-    assert RecordingCallbacks.seen == [("init", None), ("result", 1), ("result", 2)]
+def test_user_callbacks_fire(trained_algo):
+    assert trained_algo.callbacks_seen == [("init", None), ("result", 1), ("result", 2)]
 
 
 FROM_CHECKPOINT = textwrap.dedent("""

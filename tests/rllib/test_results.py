@@ -11,12 +11,9 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
-import os
 import pathlib
 import re
-import tempfile
 
 import numpy as np
 import pytest
@@ -116,33 +113,10 @@ def lookup(result: dict, key: str):
 
 
 @pytest.fixture(scope="module")
-def results(model_dir):
-    from ray_xlong.rllib.algorithm_config import XLongConfig
-
-    if ray.is_initialized():
-        ray.shutdown()
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    seen: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-
-    handler = Keep(level=logging.WARNING)
-    logging.getLogger("ray._common.deprecation").addHandler(handler)
-    config = (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=8)
-              .debugging(seed=0)
-              .xlong(mode="elastic", cells=2, runs_per_group=4, slots_per_cell=8,
-                     model_dir=model_dir, placement_strategy="PACK"))
-    try:
-        algo = config.build_algo()
-        out = [algo.train() for _ in range(3)]
-        algo.stop()
-    finally:
-        logging.getLogger("ray._common.deprecation").removeHandler(handler)
-        ray.shutdown()
-    return out, seen
+def results(trained_algo):
+    """The shared trained algorithm's three results (``conftest.trained_algo``: a factory task,
+    evaluation at iteration 2) and the deprecation warnings logged while it ran."""
+    return trained_algo.results, trained_algo.deprecations
 
 
 @pytest.mark.slow
