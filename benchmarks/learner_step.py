@@ -16,9 +16,9 @@ step is timed::
 | tree_dense       | tree           | ``"sdpa"`` (dense tree masks; ``--dense``, a reference)  |
 
 Speedup = per-trajectory step ÷ tree step; bound = Σ trajectory tokens ÷ unique tree tokens
-(DESIGN.md performance model). Variants are interleaved per repeat (load drift hits all alike)
+(docs/design.md performance model). Variants are interleaved per repeat (load drift hits all alike)
 and the median is reported. The first step's gradients of the tree and per-trajectory learners
-(same weights) are compared: the same update (DESIGN.md invariant 4).
+(same weights) are compared: the same update (docs/design.md invariant 4).
 
     python benchmarks/learner_step.py --seed 0 --json out.json [--dense]
     python benchmarks/learner_step.py --smoke                    # tiny budget (CI)

@@ -1,6 +1,6 @@
 """ray_xlong: long-horizon LLM agent RL on Ray RLlib.
 
-Two ideas carry the package (see ``../shared/DESIGN.md``):
+Two ideas carry the package (see ``docs/design.md``):
 
 * **Elastic cells** — placement-group cells that switch between serving agent runs and training,
   each on its own, never interrupting a live run (``ray_xlong.scheduling``, ``ray_xlong.sim``,

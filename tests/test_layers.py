@@ -1,4 +1,4 @@
-"""The layers of DESIGN.md: imports only point down.
+"""The layers of docs/design.md: imports only point down.
 
 ```
 jobs/           whole jobs (train, driver, modes)  may import everything below

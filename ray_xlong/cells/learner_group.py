@@ -17,7 +17,7 @@ one sum: ``reduce.py``), so it works across nodes and a membership that changes 
 re-forming a collective group; every member ends on identical weights and optimizer state. A
 cell that joins later, or that sat out steps, first loads the latest state (``join``).
 
-Invariant (DESIGN.md 7): for one batch, the new weights are the same whether 1 cell, several
+Invariant (docs/design.md 7): for one batch, the new weights are the same whether 1 cell, several
 cells, or cells joining at different micro-batches trained it (to float tolerance: only the
 order of additions differs).
 

@@ -2,7 +2,7 @@
 
 :class:`RayResult` mirrors the simulator's ``SimResult`` (same event-log format, per-group
 staleness, busy cell-time) plus the costs only a real run has (role switches, syncs, step
-finish, micro-batches). :func:`check_invariants` checks DESIGN.md invariants 6, 8 and 9 on a
+finish, micro-batches). :func:`check_invariants` checks docs/design.md invariants 6, 8 and 9 on a
 result: no cell left rollout with a live run, runs ended on the cell that started them,
 staleness <= bound (per group and per trained token), every ended run trained exactly once.
 """

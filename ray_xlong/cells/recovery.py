@@ -1,4 +1,4 @@
-"""Recovery of a job on cells from actor and node loss (DESIGN.md invariant 9), apart from the
+"""Recovery of a job on cells from actor and node loss (docs/design.md invariant 9), apart from the
 actuator's loop: the actuator owns the job state (``job_state.JobState``), :class:`Recovery`
 rebuilds it after a loss, asking the actuator only for its few actions (``protocols.JobActions``)
 and Ray only through ``JobState.ray`` (so a fake runs it without Ray).

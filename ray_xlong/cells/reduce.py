@@ -13,7 +13,7 @@ the three on one node, the tree is there for many cells on many nodes)::
 
 (P: bytes of one gradient.) The tree's shape depends only on the number of parts, so every
 member applies the bit-identical sum; only the order of additions differs from "all" (float
-rounding, DESIGN.md invariant 7 holds to tolerance). A member that died before its gradient
+rounding, docs/design.md invariant 7 holds to tolerance). A member that died before its gradient
 was taken makes the sum's ref fail with its actor error, as a direct fetch would.
 ``benchmarks/grad_reduce.py`` measures the three side by side (and a gloo process group built
 per membership, the alternative the issue names).

@@ -15,7 +15,7 @@ part in a step for as many micro-batches as the scheduler gives it, so the step 
 A micro-batch's ``loss_scale`` arrives multiplied by the normalizer of the chunk it came from
 (``learner_group.chunk``: its ``num_targets`` for ``loss_norm="token"``), so ``accumulate``
 adds *un-normalised* token-loss gradients and ``apply_step`` divides by the step's total: the update equals the gradient of the whole batch
-processed at once, however the micro-batches were spread over cells (DESIGN.md invariant 7).
+processed at once, however the micro-batches were spread over cells (docs/design.md invariant 7).
 Every participant applies the same reduced gradient in the same order, so their weights and
 Adam moments stay identical; a cell that did not take part reloads the state when it joins.
 

@@ -16,7 +16,7 @@ from enum import Enum
 
 
 class Role(str, Enum):
-    """What a cell does now (DESIGN.md, terms)."""
+    """What a cell does now (docs/design.md, terms)."""
 
     ROLLOUT = "rollout"
     DRAINING = "draining"

@@ -1,6 +1,6 @@
 """Calibrated presets: every simulator parameter of ``paper-2.4t`` with its provenance.
 
-Provenance keys: **[paper]** a figure quoted in issue 4 / DESIGN.md; **[assumed]** a stated
+Provenance keys: **[paper]** a figure quoted in issue 4 / docs/design.md; **[assumed]** a stated
 assumption; **[fitted]** fitted (``python -m ray_xlong.sim.presets`` re-checks) so that
 *colocated* and *async* reproduce 91.47 h and 134.55 h for 48 steps. The elastic policy is
 never tuned: its makespan is a prediction to compare with the paper's 75.42 h.

@@ -2,7 +2,7 @@
 
 A run's duration is lognormal with a heavy right tail, correlated within a group (runs of one
 task are alike), capped at a timeout (a timed-out run ends at the cap and is still trained, as
-in DESIGN.md). A small fraction fails early. Trained tokens grow linearly with duration (the
+in docs/design.md). A small fraction fails early. Trained tokens grow linearly with duration (the
 agent generates at a steady pace) times the unique-token fraction of the run's prefix tree
 (count-once training only pays for unique tree tokens).
 

@@ -2,7 +2,7 @@
 
 Token-exact model-call records → trajectories → a prefix tree per run → at most K trajectories
 per run, count-once loss weights on model-generated tokens → packed torch batches.
-See ``processor.py`` for the pipeline and DESIGN.md invariants 1–5 and 10.
+See ``processor.py`` for the pipeline and docs/design.md invariants 1–5 and 10.
 
 May import: torch, numpy and nothing else of ours (the bottom layer; no ray, no vllm).
 """

@@ -1,4 +1,4 @@
-"""Elastic learner group: membership does not change the math (DESIGN.md invariant 7).
+"""Elastic learner group: membership does not change the math (docs/design.md invariant 7).
 
 Two steps of one fixed job (4 groups of synthetic runs per step) are trained by 1 cell, by 3
 cells round-robin, and by cells joining at different micro-batches (with the batch streamed in
