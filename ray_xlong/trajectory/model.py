@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from ray_xlong.trajectory.packing import PackedBatch
+from ray_xlong.trajectory.split_kv import split_kv_plan
 from ray_xlong.trajectory.tree_attention import (ATTN_IMPLEMENTATION, TreeLayoutUnsupported,
                                                  tree_plan)
 
@@ -127,12 +128,21 @@ def attention_inputs(model: torch.nn.Module, batch: PackedBatch, *, device=None)
         check_tree_support(model)
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         if impl == ATTN_IMPLEMENTATION:
-            extra["tree_plan"] = tree_plan(mask, batch.valid)
+            extra["tree_plan"] = _xlong_tree_plan(model, mask, batch.valid)
             mask = mask[:, None, None, :]          # 4D: HF passes it through untouched
         else:
             mask = _tree_masks(model, mask, batch.position_ids.to(device), impl)
     return dict(input_ids=batch.input_ids.to(device), attention_mask=mask,
                 position_ids=batch.position_ids.to(device), **extra)
+
+
+def _xlong_tree_plan(model: torch.nn.Module, kv_end: torch.Tensor, valid: torch.Tensor):
+    """CPU: the segment plan (``tree_attention.py``); other devices: the split-KV plan over
+    fused kernels (``split_kv.py``, no masks) unless attention dropout needs the masked path."""
+    dropout = float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
+    if kv_end.device.type == "cpu" or (model.training and dropout > 0):
+        return tree_plan(kv_end, valid)
+    return split_kv_plan(kv_end, valid)
 
 
 def _tree_masks(model: torch.nn.Module, kv_end: torch.Tensor, depth: torch.Tensor, impl: str):

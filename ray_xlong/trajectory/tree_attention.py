@@ -242,9 +242,13 @@ def _segment_attention(q, k, v, seg: TreeSegment, plan: TreePlan, scaling, dropo
 
 def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                            value: torch.Tensor, attention_mask, dropout: float = 0.0,
-                           scaling: float | None = None, tree_plan: TreePlan | None = None,
+                           scaling: float | None = None, tree_plan=None,
                            **kwargs):
     """HF attention-interface function (``query [B, H, L, D]``, ``key/value [B, Hkv, L, D]``).
+
+    ``tree_plan``: a :class:`TreePlan` (CPU kernels; masked sdpa where dropout is on), or any
+    plan with an ``attend(query, key, value, *, scale)`` method (``split_kv.SplitKVPlan``: the
+    fused-kernel path of every device; ``context_parallel.ContextParallelPlan``).
 
     Returns ``(output [B, L, H, D], None)`` like HF's implementations. Padding queries get zeros.
     """
@@ -259,6 +263,9 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                 f"pack='per_trajectory'")
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    if hasattr(tree_plan, "attend"):     # split-KV plans: split_kv.py, context_parallel.py
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return tree_plan.attend(query, key, value, scale=scale).transpose(1, 2).contiguous(), None
     dropout = dropout if module.training else 0.0
     if query.device.type == "cpu" and dropout == 0.0:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
