@@ -2,7 +2,7 @@
 
 Each configuration starts ``ranks`` fresh processes (gloo) that build a sharded cell Learner
 (``cells.sharded.LearnerRank``: FSDP2 over the ranks, ``LearnerSettings.context_parallel =
-ranks``) and train one step on the same tree of ``tokens`` tokens — one run's tree, one row::
+ranks``; ``--exchange spans all`` runs both K/V exchanges) and train one step on the same tree of ``tokens`` tokens — one run's tree, one row::
 
     trunk (system prompt, seen by all) ─► compaction segments of --segment tokens, each a
     chain of turns (environment tokens, then model tokens: the targets) with a retry branch
@@ -125,7 +125,7 @@ class PeakRSS:
 
 
 def _rank(rank: int, ranks: int, shape: TreeShape, seed: int, model_dir: str, port: int,
-          out: str) -> None:
+          out: str, exchange: str) -> None:
     """One rank: build the Learner, train one step on its share, save what it measured."""
     from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.cells.context_parallel import rank_share
@@ -141,7 +141,7 @@ def _rank(rank: int, ranks: int, shape: TreeShape, seed: int, model_dir: str, po
     batch = tree_row(shape, seed)
     if ranks > 1:
         local, plan, _ = rank_share(batch, rank=rank, world_size=ranks, context_parallel=ranks,
-                                    group=learner.cp_group)
+                                    group=learner.cp_group, exchange=exchange)
         offset = plan.start
     else:
         (local, _), plan, offset = rank_rows(batch, rank=0, world_size=1), None, 0
@@ -156,7 +156,8 @@ def _rank(rank: int, ranks: int, shape: TreeShape, seed: int, model_dir: str, po
                 "src": local.target_src + offset, "grads": grads}, f"{out}/rank{rank}.pt")
 
 
-def train(shape: TreeShape, ranks: int, *, seed: int, model_dir: str, work: str) -> dict:
+def train(shape: TreeShape, ranks: int, *, seed: int, model_dir: str, work: str,
+          exchange: str = "spans") -> dict:
     """One configuration: its ranks' measurements, merged."""
     import torch.multiprocessing as mp
 
@@ -164,7 +165,7 @@ def train(shape: TreeShape, ranks: int, *, seed: int, model_dir: str, work: str)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank, args=(ranks, shape, seed, model_dir, port, out), nprocs=ranks)
+    mp.spawn(_rank, args=(ranks, shape, seed, model_dir, port, out, exchange), nprocs=ranks)
     parts = [torch.load(f"{out}/rank{r}.pt") for r in range(ranks)]
     src = torch.cat([p["src"] for p in parts])
     logprobs = torch.cat([p["logprobs"] for p in parts])[torch.argsort(src)]
@@ -219,21 +220,27 @@ def lambda_free_logprob(_: int, targets: int, vocab: int, out: str) -> None:
 
 
 def bench(*, seed: int, tokens: list[int], ranks: list[int], segment: int,
-          logprob_targets: int, vocab: int) -> dict:
+          logprob_targets: int, vocab: int, exchanges: list[str]) -> dict:
     """Every (tokens, ranks) configuration, the plan and the chunked head."""
     from ray_xlong.models import TinyModelConfig, tiny_causal_lm
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="long_context") as work:
         model_dir = f"{work}/model"
-        tiny_causal_lm(TinyModelConfig(**MODEL), seed=seed).save_pretrained(model_dir)
+        model = tiny_causal_lm(TinyModelConfig(**MODEL), seed=seed)
+        with torch.no_grad():          # logits of O(1), not ≈ uniform: differences show
+            for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+                module.weight.mul_(30.0)
+        model.save_pretrained(model_dir)
         for n in tokens:
             shape = TreeShape(tokens=n, segment=min(segment, max(n // 4, 64)))
             base = None
             for r in ranks:
-                res = train(shape, r, seed=seed, model_dir=model_dir, work=work)
-                base = base or (res if r == 1 else None)
-                rows.append(_row(n, r, res, base))
+                for exchange in (exchanges if r > 1 else ["-"]):
+                    res = train(shape, r, seed=seed, model_dir=model_dir, work=work,
+                                exchange=exchange if r > 1 else "spans")
+                    base = base or (res if r == 1 else None)
+                    rows.append({**_row(n, r, res, base), "exchange": exchange})
         plans = [plan_report(TreeShape(tokens=n, segment=min(segment, max(n // 4, 64))), seed)
                  for n in tokens]
         logprobs = logprob_report(logprob_targets, vocab, work=work)
@@ -257,12 +264,13 @@ def _row(tokens: int, ranks: int, res: dict, base: dict | None) -> dict:
 
 def print_table(result: dict) -> None:
     print("\n## One tree row on context-parallel ranks (gloo, tiny model)\n")
-    print("| tokens | ranks | peak MB / rank | × 1 rank | step s | max abs Δ logprob | "
-          "max abs Δ grad | max rel Δ grad |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| tokens | ranks | K/V exchange | peak MB / rank | × 1 rank | step s | "
+          "max abs Δ logprob | max abs Δ grad | max rel Δ grad |")
+    print("|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
     for r in result["rows"]:
-        print(f"| {r['tokens']:,} | {r['ranks']} | {r['peak_bytes_per_rank'] / 2**20:,.0f} | "
+        print(f"| {r['tokens']:,} | {r['ranks']} | {r['exchange']} | "
+              f"{r['peak_bytes_per_rank'] / 2**20:,.0f} | "
               f"{fmt(r['peak_ratio_vs_1_rank'], '.2f')} | {r['step_s']:.1f} | "
               f"{fmt(r['max_abs_logprob_diff'], '.1e')} | {fmt(r['max_abs_grad_diff'], '.1e')} | "
               f"{fmt(r['max_rel_grad_diff'], '.1e')} |")
@@ -289,12 +297,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--segment", type=int, default=4096)
     parser.add_argument("--logprob-targets", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--exchange", nargs="+", default=["spans"], choices=["spans", "all"],
+                        help="K/V exchange(s) of the context-parallel runs")
     args = parser.parse_args(argv)
     tokens = args.tokens or ([2048, 4096] if args.smoke else [131_072, 524_288, 1_048_576])
     ranks = args.ranks or ([1, 2] if args.smoke else [1, 2, 4])
     targets = args.logprob_targets or (2000 if args.smoke else 200_000)
     result = bench(seed=args.seed, tokens=tokens, ranks=sorted(ranks), segment=args.segment,
-                   logprob_targets=targets, vocab=args.vocab)
+                   logprob_targets=targets, vocab=args.vocab, exchanges=args.exchange)
     return finish(result, show=print_table, json_path=args.json)
 
 

@@ -7,8 +7,9 @@ data-parallel groups of ``cp`` consecutive ranks, composed with FSDP2 over all `
     data-parallel group      0  |  1                reduce-scatter as sums over all of them)
     rows of a micro-batch   r ≡ g (mod N ÷ cp) ─► joined into one row (join_rows)
     inside a group          rank g·cp + i holds columns [i·W, (i+1)·W) of that row
-                            (trajectory/context_parallel.py: K/V all-gathered per layer inside
-                            the group, partial attention merged by logsumexp)
+                            (trajectory/context_parallel.py: the ancestor spans of K/V other
+                            ranks need all-gathered per layer inside the group, partial
+                            attention merged by logsumexp)
 
 Every rank runs exactly one forward and one backward per micro-batch (FSDP's and the
 group's collectives match); a group without rows trains row 0 with zero loss scale. Each rank's
@@ -29,7 +30,8 @@ from ray_xlong.trajectory.packing import PackedBatch
 
 
 def rank_share(batch: PackedBatch, *, rank: int, world_size: int, context_parallel: int,
-               group: Any = None) -> tuple[PackedBatch, ContextParallelPlan, int]:
+               group: Any = None,
+               exchange: str = "spans") -> tuple[PackedBatch, ContextParallelPlan, int]:
     """Rank ``rank``'s share of a tree micro-batch.
 
     Args:
@@ -38,6 +40,8 @@ def rank_share(batch: PackedBatch, *, rank: int, world_size: int, context_parall
         world_size: the cell's Learner ranks.
         context_parallel: ranks per row (divides ``world_size``).
         group: this rank's context-parallel process group (:func:`make_groups`).
+        exchange: ``spans`` (the ancestor spans other ranks need) or ``all`` (whole ranges;
+            ``trajectory.context_parallel.EXCHANGES``).
 
     Returns:
         ``(local batch, plan, targets)``: pass the plan as ``token_logprobs(plan=...)``;
@@ -51,7 +55,7 @@ def rank_share(batch: PackedBatch, *, rank: int, world_size: int, context_parall
         joined = PackedBatch.from_tensors({**joined.to_tensors(),
                                            "loss_scale": torch.zeros_like(joined.loss_scale)})
     local, plan = shard_row(joined, rank=rank % context_parallel, size=context_parallel,
-                            group=group)
+                            group=group, exchange=exchange)
     return local, plan, local.num_targets if rows else 0
 
 

@@ -10,18 +10,23 @@ them — embeddings, MLPs, norms and the head see only its tokens::
     rank 1                    t1 >b1 S >s1                    pieces [4,8): prefix (0,4)
     rank 2                                >s2 >x1 ·  ·        [8,9): (0,8) · [9,10): (0,3)
 
-Attention, per layer (:class:`ContextParallelPlan`): the group all-gathers every rank's keys
-and values (``W`` columns each), then each rank runs its pieces — segments of the tree cut at
-its range — with the split-KV driver of ``split_kv.py`` (prefix in full + self causal, merged by
-logsumexp; the same kernels as one device). Only the local keys and values are kept for
-backward; backward all-gathers them again, runs the split-KV backward over the whole row's
-keys and reduce-scatters (sums) the key/value gradients back to their owners. Each rank's
-loss is the loss of its own targets (those predicted from its columns), so the ranks' losses
-and parameter gradients add up to one device's (FSDP's sum reduction, or any all-reduce).
+Attention, per layer (:class:`ContextParallelPlan`): every rank's pieces — segments of the
+tree cut at its range — need its own keys and *ancestor spans* held by other ranks (a tree's
+trunk, the start of a segment that crosses a boundary). The plan knows every rank's pieces
+(they follow from ``kv_end``), so the group all-gathers just the union of spans some rank needs
+from another (``exchange="spans"``, padded to the largest rank's share), or every rank's whole
+range (``exchange="all"``). Each rank then attends over its *context* — its own columns and the
+received spans, in row order — with the split-KV driver of ``split_kv.py`` (prefix in full +
+self causal, merged by logsumexp; the same kernels as one device). Only the local keys and
+values are kept for backward; backward gathers them again, runs the split-KV backward and
+reduce-scatters (sums) the received spans' key/value gradients back to their owners. Each
+rank's loss is the loss of its own targets (those predicted from its columns), so the ranks'
+losses and parameter gradients add up to one device's (FSDP's sum reduction, or any
+all-reduce).
 
-Memory per rank: activations of ``W`` tokens, plus per layer in flight one gathered copy of the
-row's keys and values (``2 · n · H_kv · D``) — the ring exchange would bound this by ``W`` too
-at the price of ``size`` rounds per layer; the all-gather is what is built.
+Memory per rank: activations of ``W`` tokens, plus per layer in flight the gathered spans
+(``spans``: the ancestors that cross ranks, e.g. a trunk; ``all``: the whole row's keys and
+values). A ring exchange (``size`` rounds per layer) is not implemented.
 """
 
 from __future__ import annotations
@@ -33,20 +38,29 @@ import torch
 import torch.distributed as dist
 
 from ray_xlong.trajectory.packing import PackedBatch
-from ray_xlong.trajectory.split_kv import (Piece, attend_pieces, attend_pieces_backward,
-                                          kernel_for, tree_pieces)
+from ray_xlong.trajectory.split_kv import (Piece, Ranges, attend_pieces,
+                                          attend_pieces_backward, kernel_for, tree_pieces)
 
 
 class ContextParallelError(ValueError):
     """A context-parallel split that cannot be made (the message names both numbers)."""
 
 
+EXCHANGES = ("spans", "all")
+"""How a group exchanges keys and values: ``spans`` (the ancestor spans some rank of the group
+needs from another) or ``all`` (every rank's whole range)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ContextParallelPlan:
-    """One rank's share of a context-parallel row (``tree_plan=`` of an ``xlong_tree`` model)."""
+    """One rank's share of a context-parallel row (``tree_plan=`` of an ``xlong_tree`` model).
+
+    Keys and values are attended in *context* columns: this rank's own ``width`` columns and
+    the spans received from the others, in row order (``blocks``); ``pieces`` are in those
+    columns."""
 
     pieces: tuple[Piece, ...]
-    """This rank's query pieces, in row columns (row 0)."""
+    """This rank's query pieces, in context columns (row 0)."""
     start: int
     """First row column this rank holds (``rank · width``)."""
     width: int
@@ -55,38 +69,72 @@ class ContextParallelPlan:
     """Rank in the context-parallel group."""
     size: int
     """Ranks in the group."""
+    send: Ranges
+    """Local column ranges this rank sends (what some other rank's pieces need)."""
+    sizes: tuple[int, ...]
+    """Columns each rank sends (the exchange pads every block to the largest)."""
+    q_offset: int
+    """Context column of this rank's first column."""
     group: Any = None
     """The ``torch.distributed`` process group of the context-parallel ranks (None: the
     default group)."""
 
     def attend(self, query, key, value, *, scale: float) -> torch.Tensor:
-        """``[1, H, width, D]`` attention of this rank's queries over the whole row."""
+        """``[1, H, width, D]`` attention of this rank's queries over their ancestors."""
         return _ContextParallelAttention.apply(query, key, value, self, float(scale))
 
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Context keys (or values) ``[1, H, C, D]`` from this rank's ``[1, H, width, D]``."""
+        top = max(max(self.sizes), 1)
+        blocks = [torch.empty(*t.shape[:2], top, t.shape[3], dtype=t.dtype, device=t.device)
+                  for _ in range(self.size)]
+        dist.all_gather(blocks, _pack(t, self.send, top), group=self.group)
+        parts = [t if r == self.rank else blocks[r][:, :, :n]
+                 for r, n in enumerate(self.sizes) if r == self.rank or n]
+        return torch.cat(parts, dim=2)
 
-def _gather(t: torch.Tensor, plan: ContextParallelPlan) -> torch.Tensor:
-    """The row's ``[1, H, size · width, D]`` from every rank's ``[1, H, width, D]``."""
-    parts = [torch.empty_like(t) for _ in range(plan.size)]
-    dist.all_gather(parts, t.contiguous(), group=plan.group)
-    return torch.cat(parts, dim=2)
+    def scatter(self, grad: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``local``'s gradient: its own context columns of ``grad`` plus what every other
+        rank's ``grad`` holds for the columns this rank sent (a reduce-scatter of sums)."""
+        blocks, at, top = [], 0, max(max(self.sizes), 1)
+        for r, n in enumerate(self.sizes):
+            if r == self.rank:
+                out = grad[:, :, at:at + self.width].clone()
+                at += self.width
+                blocks.append(grad.new_zeros(*grad.shape[:2], top, grad.shape[3]))
+            else:
+                blocks.append(_pad(grad[:, :, at:at + n], top))
+                at += n
+        received = torch.empty_like(blocks[0])
+        dist.reduce_scatter(received, [b.contiguous() for b in blocks], group=self.group)
+        at = 0
+        for lo, hi in self.send:
+            out[:, :, lo:hi] += received[:, :, at:at + hi - lo]
+            at += hi - lo
+        return out
 
 
-def _scatter_sum(t: torch.Tensor, plan: ContextParallelPlan) -> torch.Tensor:
-    """This rank's columns of ``Σ_ranks t`` (``t``: ``[1, H, size · width, D]``)."""
-    parts = [c.contiguous() for c in t.split(plan.width, dim=2)]
-    out = torch.empty_like(parts[plan.rank])
-    dist.reduce_scatter(out, parts, group=plan.group)
-    return out
+def _pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    if t.shape[2] == length:
+        return t
+    return torch.cat([t, t.new_zeros(*t.shape[:2], length - t.shape[2], t.shape[3])], dim=2)
+
+
+def _pack(t: torch.Tensor, ranges: Ranges, length: int) -> torch.Tensor:
+    """The columns ``ranges`` of ``t``, padded to ``length``."""
+    parts = [t[:, :, lo:hi] for lo, hi in ranges]
+    body = torch.cat(parts, dim=2) if parts else t[:, :, :0]
+    return _pad(body, length).contiguous()
 
 
 class _ContextParallelAttention(torch.autograd.Function):
-    """All-gather K/V → split-KV pieces; backward re-gathers, reduce-scatters dK/dV."""
+    """Gather context K/V → split-KV pieces; backward re-gathers, reduce-scatters dK/dV."""
 
     @staticmethod
     def forward(ctx, query, key, value, plan: ContextParallelPlan, scale: float):
         kernel = kernel_for(query.device, query.dtype)
-        out, lse = attend_pieces(query, _gather(key, plan), _gather(value, plan), plan.pieces,
-                                 kernel=kernel, scale=scale, q_offset=plan.start)
+        out, lse = attend_pieces(query, plan.gather(key), plan.gather(value), plan.pieces,
+                                 kernel=kernel, scale=scale, q_offset=plan.q_offset)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.plan, ctx.scale, ctx.kernel = plan, scale, kernel
         return out
@@ -95,11 +143,77 @@ class _ContextParallelAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        dq, dk, dv = attend_pieces_backward(grad_out, query, _gather(key, plan),
-                                            _gather(value, plan), out, lse, plan.pieces,
+        dq, dk, dv = attend_pieces_backward(grad_out, query, plan.gather(key),
+                                            plan.gather(value), out, lse, plan.pieces,
                                             kernel=ctx.kernel, scale=ctx.scale,
-                                            q_offset=plan.start)
-        return dq, _scatter_sum(dk, plan), _scatter_sum(dv, plan), None, None
+                                            q_offset=plan.q_offset)
+        return dq, plan.scatter(dk, key), plan.scatter(dv, value), None, None
+
+
+def _subtract(ranges: Ranges, lo: int, hi: int) -> list[tuple[int, int]]:
+    """``ranges`` minus ``[lo, hi)``."""
+    out = []
+    for a, b in ranges:
+        if a < lo:
+            out.append((a, min(b, lo)))
+        if b > hi:
+            out.append((max(a, hi), b))
+    return [(a, b) for a, b in out if a < b]
+
+
+def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _clip(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    return [(max(a, lo), min(b, hi)) for a, b in ranges if max(a, lo) < min(b, hi)]
+
+
+def _exchange(kv_end, n: int, width: int, size: int, exchange: str):
+    """Per rank: the row columns it sends (ascending ranges), and every rank's pieces."""
+    pieces = [tree_pieces(kv_end, lo=r * width, hi=(r + 1) * width) for r in range(size)]
+    if exchange == "all":
+        needed = [(0, n)]
+    else:
+        needed = _union([span for r, ps in enumerate(pieces) for p in ps
+                         for span in _subtract(p.prefix, r * width, (r + 1) * width)])
+    sends = [_clip(needed, r * width, min((r + 1) * width, n)) for r in range(size)]
+    return sends, pieces
+
+
+def _to_context(pieces, sends, rank: int, width: int) -> tuple[tuple[Piece, ...], int]:
+    """Pieces in context columns: own range whole, other ranks' sent spans, in row order."""
+    blocks = []                                    # (row lo, row hi, context lo)
+    at = 0
+    for r, spans in enumerate(sends):
+        for lo, hi in ([(r * width, (r + 1) * width)] if r == rank else spans):
+            blocks.append((lo, hi, at))
+            at += hi - lo
+
+    def where(col: int) -> int:
+        for lo, hi, c in blocks:
+            if lo <= col < hi:
+                return c + col - lo
+        raise AssertionError(f"context column {col} was not exchanged")
+
+    def remap(ranges):
+        out = []
+        for a, b in ranges:
+            for lo, hi, _ in blocks:
+                if max(a, lo) < min(b, hi):
+                    s, e = max(a, lo), min(b, hi)
+                    out.append((where(s), where(s) + e - s))
+        return tuple(out)
+
+    own = where(rank * width)
+    return tuple(Piece(0, where(p.start), where(p.start) + p.stop - p.start, remap(p.prefix))
+                 for p in pieces), own
 
 
 def join_rows(batch: PackedBatch, rows: list[int]) -> PackedBatch:
@@ -129,8 +243,8 @@ def join_rows(batch: PackedBatch, rows: list[int]) -> PackedBatch:
                        torch.ones(1, at, dtype=torch.bool))
 
 
-def shard_row(batch: PackedBatch, *, rank: int, size: int,
-              group: Any = None) -> tuple[PackedBatch, ContextParallelPlan]:
+def shard_row(batch: PackedBatch, *, rank: int, size: int, group: Any = None,
+              exchange: str = "spans") -> tuple[PackedBatch, ContextParallelPlan]:
     """Rank ``rank``'s share of a one-row tree batch (see the module docstring).
 
     Args:
@@ -138,6 +252,7 @@ def shard_row(batch: PackedBatch, *, rank: int, size: int,
         rank: rank in the context-parallel group, ``0 <= rank < size``.
         size: ranks per row (``LearnerSettings.context_parallel``).
         group: their process group (None: the default group).
+        exchange: one of :data:`EXCHANGES`.
 
     Returns:
         ``(local batch, plan)``: the local batch holds columns ``[start, start + width)``
@@ -155,10 +270,16 @@ def shard_row(batch: PackedBatch, *, rank: int, size: int,
     if size > n:
         raise ContextParallelError(f"LearnerSettings.context_parallel={size} exceeds the row: "
                                    f"{size} ranks for a row of {n} tokens")
+    if exchange not in EXCHANGES:
+        raise ContextParallelError(f"shard_row: exchange must be one of {EXCHANGES}, "
+                                   f"got {exchange!r}")
     width = -(-n // size)
     start, stop = rank * width, (rank + 1) * width
-    kv_end = batch.attention_mask[0, :n]
-    pieces = tree_pieces(kv_end.cpu().numpy(), lo=start, hi=stop)
+    sends, pieces = _exchange(batch.attention_mask[0, :n].cpu().numpy(), n, width, size,
+                              exchange)
+    context, q_offset = _to_context(pieces[rank], sends, rank, width)
+    send = tuple((lo - start, hi - start) for lo, hi in sends[rank])
+    sizes = tuple(sum(hi - lo for lo, hi in spans) for spans in sends)
 
     def cols(t: torch.Tensor, fill) -> torch.Tensor:
         out = t.new_full((1, width), fill)
@@ -173,7 +294,8 @@ def shard_row(batch: PackedBatch, *, rank: int, size: int,
                         batch.behaviour_logprobs[mine], batch.policy_versions[mine],
                         batch.advantages[mine], batch.loss_scale[mine], batch.target_run[mine],
                         batch.run_ids, cols(batch.valid, False))
-    return local, ContextParallelPlan(pieces, start, width, rank, size, group)
+    return local, ContextParallelPlan(context, start, width, rank, size, send, sizes, q_offset,
+                                      group)
 
 
 def context_groups(world_size: int, size: int) -> list[Any]:

@@ -58,8 +58,12 @@ def _rank(rank: int, world: int, model_dir: str, port: int, out: str) -> None:
     local, plan, _ = rank_share(batch, rank=rank, world_size=world, context_parallel=world,
                                 group=learner.cp_group)
     logprobs = token_logprobs(plain, local, plan=plan, chunk_tokens=5).detach()
+    joined = join_rows(batch, [0, 1])
+    _, every = shard_row(joined, rank=rank, size=world, group=learner.cp_group, exchange="all")
+    assert sum(every.sizes) == int(joined.valid.sum()) > sum(plan.sizes) > 0
+    everything = token_logprobs(plain, local, plan=every).detach()
     torch.save({"grads": grads, "logprobs": logprobs, "src": local.target_src + plan.start,
-                "ids": local.target_ids}, f"{out}/rank{rank}.pt")
+                "ids": local.target_ids, "all": everything}, f"{out}/rank{rank}.pt")
 
 
 def test_two_rank_context_parallel_step_equals_one_device(tmp_path):
@@ -79,13 +83,14 @@ def test_two_rank_context_parallel_step_equals_one_device(tmp_path):
     joined = join_rows(batch, [0, 1])
     want = {(int(s), int(t)): float(v) for s, t, v in
             zip(joined.target_src, joined.target_ids, token_logprobs(model, joined).detach())}
-    got = {}
-    for rank in range(2):
-        part = torch.load(tmp_path / f"rank{rank}.pt")
-        got.update({(int(s), int(t)): float(v) for s, t, v in
-                    zip(part["src"], part["ids"], part["logprobs"])})
-    assert got.keys() == want.keys() and len(got) == batch.num_targets > 50
-    assert max(abs(got[k] - want[k]) for k in want) <= 1e-4
+    for exchange in ("logprobs", "all"):           # ancestor spans, or whole ranges
+        got = {}
+        for rank in range(2):
+            part = torch.load(tmp_path / f"rank{rank}.pt")
+            got.update({(int(s), int(t)): float(v) for s, t, v in
+                        zip(part["src"], part["ids"], part[exchange])})
+        assert got.keys() == want.keys() and len(got) == batch.num_targets > 50
+        assert max(abs(got[k] - want[k]) for k in want) <= 1e-4
     grads = torch.load(tmp_path / "rank0.pt")["grads"]
     for name, p in model.named_parameters():
         scale = float(p.grad.abs().max())
