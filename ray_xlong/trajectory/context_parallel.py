@@ -69,15 +69,31 @@ class ContextParallelPlan:
     """Rank in the context-parallel group."""
     size: int
     """Ranks in the group."""
-    send: Ranges
-    """Local column ranges this rank sends (what some other rank's pieces need)."""
-    sizes: tuple[int, ...]
-    """Columns each rank sends (the exchange pads every block to the largest)."""
+    spans: tuple[Ranges, ...]
+    """Row column ranges each rank of the group sends (what some other rank's pieces need)."""
     q_offset: int
     """Context column of this rank's first column."""
     group: Any = None
     """The ``torch.distributed`` process group of the context-parallel ranks (None: the
     default group)."""
+
+    @property
+    def send(self) -> Ranges:
+        """This rank's sent ranges in local columns."""
+        return tuple((lo - self.start, hi - self.start) for lo, hi in self.spans[self.rank])
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Columns each rank sends (the exchange pads every block to the largest)."""
+        return tuple(sum(hi - lo for lo, hi in spans) for spans in self.spans)
+
+    def context_columns(self) -> list[int]:
+        """The row column of every context column (own range whole, others' spans)."""
+        cols: list[int] = []
+        for r, spans in enumerate(self.spans):
+            for lo, hi in ([(self.start, self.start + self.width)] if r == self.rank else spans):
+                cols.extend(range(lo, hi))
+        return cols
 
     def attend(self, query, key, value, *, scale: float) -> torch.Tensor:
         """``[1, H, width, D]`` attention of this rank's queries over their ancestors."""
@@ -278,8 +294,6 @@ def shard_row(batch: PackedBatch, *, rank: int, size: int, group: Any = None,
     sends, pieces = _exchange(batch.attention_mask[0, :n].cpu().numpy(), n, width, size,
                               exchange)
     context, q_offset = _to_context(pieces[rank], sends, rank, width)
-    send = tuple((lo - start, hi - start) for lo, hi in sends[rank])
-    sizes = tuple(sum(hi - lo for lo, hi in spans) for spans in sends)
 
     def cols(t: torch.Tensor, fill) -> torch.Tensor:
         out = t.new_full((1, width), fill)
@@ -294,8 +308,8 @@ def shard_row(batch: PackedBatch, *, rank: int, size: int, group: Any = None,
                         batch.behaviour_logprobs[mine], batch.policy_versions[mine],
                         batch.advantages[mine], batch.loss_scale[mine], batch.target_run[mine],
                         batch.run_ids, cols(batch.valid, False))
-    return local, ContextParallelPlan(context, start, width, rank, size, send, sizes, q_offset,
-                                      group)
+    return local, ContextParallelPlan(context, start, width, rank, size,
+                                      tuple(tuple(x) for x in sends), q_offset, group)
 
 
 def context_groups(world_size: int, size: int) -> list[Any]:

@@ -109,6 +109,27 @@ def test_rows_split_by_token_ranges_cover_every_target_once():
     assert sorted(seen) == sorted(joined.target_src.tolist())
 
 
+@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize("exchange", ["spans", "all"])
+def test_each_ranks_context_sees_exactly_what_the_mask_allows(size, exchange):
+    from ray_xlong.trajectory.model import tree_mask_bool
+
+    joined = join_rows(tree_batch(), [0, 1])
+    mask = tree_mask_bool(joined.attention_mask)[0, 0]
+    for rank in range(size):
+        _, plan = shard_row(joined, rank=rank, size=size, exchange=exchange)
+        cols = plan.context_columns()
+        queries = []
+        for p in plan.pieces:
+            for q in range(p.start, p.stop):
+                seen = {cols[c] for lo, hi in p.prefix for c in range(lo, hi)}
+                seen |= {cols[c] for c in range(p.start, q + 1)}
+                assert seen == set(torch.nonzero(mask[cols[q]]).flatten().tolist())
+                queries.append(cols[q])
+        assert queries == list(range(plan.start, min(plan.start + plan.width,
+                                                     int(joined.valid.sum()))))
+
+
 def test_context_parallel_that_does_not_divide_the_ranks_names_both(tmp_path):
     with pytest.raises(ContextParallelError, match=r"context_parallel=3 does not divide the "
                                                    r"cell's 4 Learner ranks"):
