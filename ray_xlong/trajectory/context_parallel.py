@@ -149,8 +149,9 @@ class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, plan: ContextParallelPlan, scale: float):
         kernel = kernel_for(query.device, query.dtype)
-        out, lse = attend_pieces(query, plan.gather(key), plan.gather(value), plan.pieces,
-                                 kernel=kernel, scale=scale, q_offset=plan.q_offset)
+        out, lse, ctx.aux = attend_pieces(query, plan.gather(key), plan.gather(value),
+                                          plan.pieces, kernel=kernel, scale=scale,
+                                          q_offset=plan.q_offset)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.plan, ctx.scale, ctx.kernel = plan, scale, kernel
         return out
@@ -161,7 +162,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         plan = ctx.plan
         dq, dk, dv = attend_pieces_backward(grad_out, query, plan.gather(key),
                                             plan.gather(value), out, lse, plan.pieces,
-                                            kernel=ctx.kernel, scale=ctx.scale,
+                                            ctx.aux, kernel=ctx.kernel, scale=ctx.scale,
                                             q_offset=plan.q_offset)
         return dq, plan.scatter(dk, key), plan.scatter(dv, value), None, None
 

@@ -100,9 +100,10 @@ def _merge_ranges(spans: list[tuple[int, int]]) -> Ranges:
 class Kernel:
     """A fused attention kernel pair over ``[1, H, m, D]`` queries and ``[1, Hk, n, D]`` keys.
 
-    ``forward(q, k, v, causal, scale) -> (out [1, H, m, D], lse [1, H, m] float32)``;
-    ``backward(g, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)`` with ``out`` / ``lse``
-    the *merged* ones (the split-KV identity)."""
+    ``forward(q, k, v, causal, scale) -> (out [1, H, m, D], lse [1, H, m] float32, aux)``;
+    ``backward(g, q, k, v, out, lse, causal, scale, aux) -> (dq, dk, dv)`` with ``out`` /
+    ``lse`` the *merged* ones (the split-KV identity) and ``aux`` what the forward call
+    returned besides them (the CUDA kernels' sequence / RNG state; None elsewhere)."""
 
     name: str
     """``cpu_flash`` | ``cuda_flash`` | ``cuda_efficient`` | ``math``."""
@@ -115,10 +116,10 @@ class Kernel:
 def _cpu_forward(q, k, v, causal, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, scale=scale)
-    return out, lse
+    return out, lse, None
 
 
-def _cpu_backward(g, q, k, v, out, lse, causal, scale):
+def _cpu_backward(g, q, k, v, out, lse, causal, scale, aux):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         g, q, k, v, out, lse, 0.0, causal, scale=scale)
 
@@ -143,33 +144,33 @@ def _cuda_flash_forward(q, k, v, causal, scale):
     k, v, _ = _expand_heads(q, k, v)
     res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
                                                              scale=scale)
-    return res[0], res[1]
+    return res[0], res[1], tuple(res[2:8])      # cum_seq_q/k, max_q/k, philox seed/offset
 
 
-def _cuda_flash_backward(g, q, k, v, out, lse, causal, scale):
+def _cuda_flash_backward(g, q, k, v, out, lse, causal, scale, aux):
     k2, v2, group = _expand_heads(q, k, v)
-    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        g, q, k2, v2, out, lse.contiguous(), empty, empty, q.shape[2], k2.shape[2], 0.0, causal,
-        empty, empty, scale=scale)
+        g, q, k2, v2, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed,
+        offset, scale=scale)
     return dq, _fold_heads(dk, group), _fold_heads(dv, group)
 
 
 def _cuda_efficient_forward(q, k, v, causal, scale):
     k, v, _ = _expand_heads(q, k, v)
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale)
-    return out, lse[..., :q.shape[2]]                 # the kernel pads lse to a multiple of 32
+    # the kernel pads lse to a multiple of 32 rows: merge the first m, pad again in backward
+    return out, lse[..., :q.shape[2]], (lse.shape[-1], seed, offset)
 
 
-def _cuda_efficient_backward(g, q, k, v, out, lse, causal, scale):
+def _cuda_efficient_backward(g, q, k, v, out, lse, causal, scale, aux):
     k2, v2, group = _expand_heads(q, k, v)
-    m = q.shape[2]
-    padded = lse.new_full((*lse.shape[:-1], -(-m // 32) * 32), float("inf"))
-    padded[..., :m] = lse
-    empty = torch.zeros((), dtype=torch.int64, device=q.device)
+    width, seed, offset = aux
+    padded = lse.new_zeros((*lse.shape[:-1], width))
+    padded[..., :q.shape[2]] = lse
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        g, q, k2, v2, None, out, padded, empty, empty, 0.0, [True, True, True, False], causal,
+        g, q, k2, v2, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal,
         scale=scale)
     return dq, _fold_heads(dk, group), _fold_heads(dv, group)
 
@@ -197,10 +198,10 @@ def _math_forward(q, k, v, causal, scale):
         lse = torch.logsumexp(s, dim=-1)
         outs.append(torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(s.dtype)).to(q.dtype))
         lses.append(lse.float() if q.dtype != torch.float64 else lse)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2), None
 
 
-def _math_backward(g, q, k, v, out, lse, causal, scale):
+def _math_backward(g, q, k, v, out, lse, causal, scale, aux):
     k2, v2, group = _expand_heads(q, k, v)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k2), torch.zeros_like(v2)
     for lo in range(0, q.shape[2], MATH_CHUNK):
@@ -255,41 +256,47 @@ def _merge(o1, l1, o2, l2):
 
 
 def attend_pieces(query, key, value, pieces, *, kernel: Kernel, scale: float, q_offset: int = 0):
-    """Forward over ``pieces``: ``(out like query, lse [R, H, m])``; ``query`` column ``c``
-    holds row column ``c + q_offset``, ``key`` / ``value`` hold row columns from 0."""
+    """Forward over ``pieces``: ``(out like query, lse [R, H, m], aux)``; ``query`` column
+    ``c`` holds row column ``c + q_offset``, ``key`` / ``value`` hold row columns from 0;
+    ``aux`` (per piece: the kernel's extra state of its two parts) goes to the backward."""
     out = query.new_zeros(query.shape)
     lse = query.new_zeros(query.shape[:3], dtype=torch.promote_types(query.dtype,
                                                                         torch.float32))
+    aux = []
     for p in pieces:
         r, a, b = p.row, p.start - q_offset, p.stop - q_offset
         q = query[r:r + 1, :, a:b]
-        o, l = kernel.forward(q, key[r:r + 1, :, p.start:p.stop],
-                              value[r:r + 1, :, p.start:p.stop], True, scale)
+        o, l, own = kernel.forward(q, key[r:r + 1, :, p.start:p.stop],
+                                   value[r:r + 1, :, p.start:p.stop], True, scale)
+        before = None
         if p.prefix:
-            o, l = _merge(*kernel.forward(q, _prefix(key, r, p.prefix),
-                                          _prefix(value, r, p.prefix), False, scale), o, l)
+            o2, l2, before = kernel.forward(q, _prefix(key, r, p.prefix),
+                                            _prefix(value, r, p.prefix), False, scale)
+            o, l = _merge(o2, l2, o, l)
         out[r:r + 1, :, a:b] = o
         lse[r:r + 1, :, a:b] = l
-    return out, lse
+        aux.append((own, before))
+    return out, lse, aux
 
 
-def attend_pieces_backward(grad_out, query, key, value, out, lse, pieces, *, kernel: Kernel,
-                           scale: float, q_offset: int = 0):
+def attend_pieces_backward(grad_out, query, key, value, out, lse, pieces, aux, *,
+                           kernel: Kernel, scale: float, q_offset: int = 0):
     """Gradients ``(dq like query, dk like key, dv like value)`` of :func:`attend_pieces`."""
     dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     grad_out = grad_out.contiguous()
-    for p in pieces:
+    for p, (own, before) in zip(pieces, aux):
         r, a, b = p.row, p.start - q_offset, p.stop - q_offset
         q, g = query[r:r + 1, :, a:b], grad_out[r:r + 1, :, a:b]
         o, l = out[r:r + 1, :, a:b], lse[r:r + 1, :, a:b]
         gq, gk, gv = kernel.backward(g, q, key[r:r + 1, :, p.start:p.stop],
-                                     value[r:r + 1, :, p.start:p.stop], o, l, True, scale)
+                                     value[r:r + 1, :, p.start:p.stop], o, l, True, scale, own)
         dq[r:r + 1, :, a:b] += gq
         dk[r:r + 1, :, p.start:p.stop] += gk
         dv[r:r + 1, :, p.start:p.stop] += gv
         if p.prefix:
             gq, gk, gv = kernel.backward(g, q, _prefix(key, r, p.prefix),
-                                         _prefix(value, r, p.prefix), o, l, False, scale)
+                                         _prefix(value, r, p.prefix), o, l, False, scale,
+                                         before)
             dq[r:r + 1, :, a:b] += gq
             at = 0
             for lo, hi in p.prefix:
@@ -305,7 +312,8 @@ class _SplitKVAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, plan: "SplitKVPlan", scale: float):
         kernel = plan.kernel_for(query)
-        out, lse = attend_pieces(query, key, value, plan.pieces, kernel=kernel, scale=scale)
+        out, lse, ctx.aux = attend_pieces(query, key, value, plan.pieces, kernel=kernel,
+                                          scale=scale)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.plan, ctx.scale, ctx.kernel = plan, scale, kernel
         return out
@@ -314,7 +322,8 @@ class _SplitKVAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         dq, dk, dv = attend_pieces_backward(grad_out, query, key, value, out, lse,
-                                            ctx.plan.pieces, kernel=ctx.kernel, scale=ctx.scale)
+                                            ctx.plan.pieces, ctx.aux, kernel=ctx.kernel,
+                                            scale=ctx.scale)
         return dq, dk, dv, None, None
 
 

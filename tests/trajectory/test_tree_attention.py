@@ -106,3 +106,23 @@ def test_split_kv_plan_matches_the_segment_path(kernel, dtype, tol):
     valid = batch.valid
     assert torch.allclose(got[valid], want[valid], atol=tol * 10, rtol=0)
     assert torch.allclose(g_got.double(), g_want, atol=tol * 100 * g_want.abs().max(), rtol=0)
+
+
+@pytest.mark.parametrize("kernel, dtype", [pytest.param("cuda_flash", torch.bfloat16, id="flash"),
+                                           pytest.param("cuda_efficient", torch.float32,
+                                                        id="efficient")])
+def test_cuda_kernels_run_the_driver_on_meta_tensors(kernel, dtype):
+    """No GPU here: the CUDA adapters go through the whole split-KV driver (forward and
+    backward, GQA, prefix gathers) on ``meta`` tensors, so their calls match the operators'
+    schemas and shapes (the numbers are checked on the ``math`` and CPU kernels above)."""
+    from ray_xlong.trajectory.split_kv import (KERNELS, attend_pieces, attend_pieces_backward,
+                                               split_kv_plan)
+
+    plan = split_kv_plan(KV_END, VALID)
+    q = torch.empty(1, 4, 12, 64, device="meta", dtype=dtype)
+    k = torch.empty(1, 2, 12, 64, device="meta", dtype=dtype)
+    out, lse, aux = attend_pieces(q, k, k, plan.pieces, kernel=KERNELS[kernel], scale=0.125)
+    assert out.shape == q.shape and lse.shape == (1, 4, 12) and lse.dtype == torch.float32
+    dq, dk, dv = attend_pieces_backward(out, q, k, k, out, lse, plan.pieces, aux,
+                                        kernel=KERNELS[kernel], scale=0.125)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
