@@ -26,8 +26,9 @@ The backward runs the kernel's backward on each part with the *merged* output an
 (the split-KV identity: a part's probabilities are ``exp(s − lse)``), adding into one gradient
 buffer per tensor: no recompute, no additive masks, no per-segment full-size zero gradients.
 Work = Σ over tree tokens of their depth, ≤ the per-trajectory work Σ Lᵢ²/2 (every tree token
-sits at the same depth in some trajectory). Elsewhere (other devices, or dropout) each segment
-is one plain ``scaled_dot_product_attention`` call over its keys with a cached additive mask;
+sits at the same depth in some trajectory). Other devices run the same split-KV merge over their
+fused kernels (``split_kv.py``: CUDA flash / memory-efficient, no masks). With attention dropout
+each segment is one plain ``scaled_dot_product_attention`` call over its keys with a cached mask;
 ``chunk`` cuts long segments there so the masked-out triangle stays ≤ ``chunk²/2`` per piece.
 Registered with transformers as ``attn_implementation="xlong_tree"``; without a plan (e.g. the
 per-trajectory layout or generation) it falls back to HF's sdpa path, so one model serves both.
