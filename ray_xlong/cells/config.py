@@ -20,6 +20,7 @@ from ray_xlong.cells.sharding import (ShardingSettings, check_model_fits, model_
 from ray_xlong.rollout import HarnessConfig
 from ray_xlong.scheduling import Policy, SchedulingConfig, modes
 from ray_xlong.trajectory import LossConfig, ProcessorConfig
+from ray_xlong.trajectory.context_parallel import check_context_parallel
 
 ATTENTIONS = ("xlong_tree", "sdpa", "eager", "flex_attention")
 """``LearnerSettings.attn_implementation`` values."""
@@ -50,6 +51,10 @@ class LearnerSettings:
     per-trajectory rows (the ``xlong_tree`` implementation runs sdpa when a batch has no tree
     plan, so one model serves both). ``sdpa`` / ``eager`` train tree batches with dense masks
     (a reference); ``flex_attention`` is the GPU path."""
+    context_parallel: int = 1
+    """Ranks per tree row (context parallelism, ``cells/context_parallel.py``): a sharded cell
+    of N ranks runs N ÷ context_parallel data-parallel groups, each splitting its rows by token
+    ranges. Must divide ``ShardingSettings.ranks_per_cell``; needs tree packing."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or not self.model_dir:
@@ -66,6 +71,7 @@ class LearnerSettings:
         if self.attn_implementation is not None and self.attn_implementation not in ATTENTIONS:
             raise ValueError(f"LearnerSettings.attn_implementation must be one of {ATTENTIONS} "
                              f"or None, got {self.attn_implementation!r}")
+        check_int("LearnerSettings", "context_parallel", self.context_parallel, minimum=1)
         if self.micro_batch_tokens < 1:
             raise ValueError(f"LearnerSettings.micro_batch_tokens must be >= 1, "
                              f"got {self.micro_batch_tokens!r}")
@@ -153,6 +159,7 @@ class CellJobConfig:
         for name in ("weight_sync_bucket_mb", "weight_sync_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CellJobConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        _check_context_parallel(self)
         ranks_per_bundle(self.sharding, nodes_per_cell=self.layout.nodes_per_cell,
                          gpus_per_node=self.layout.gpus_per_node)   # before any actor starts
         if self.sharding.memory_per_rank_gb is not None:
@@ -164,6 +171,17 @@ class CellJobConfig:
         if self.weight_sync is not None:
             return self.weight_sync
         return "broadcast" if self.sharding.device == "cuda" else "object_store"
+
+
+def _check_context_parallel(config: CellJobConfig) -> None:
+    """``learner.context_parallel`` divides the cell's ranks and trains tree rows."""
+    cp = config.learner.context_parallel
+    if cp == 1:
+        return
+    check_context_parallel(cp, config.sharding.ranks_per_cell)
+    if config.processor.pack != "tree":
+        raise ValueError(f"LearnerSettings.context_parallel={cp} splits tree rows; "
+                         f"CellJobConfig.processor.pack is {config.processor.pack!r}")
 
 
 def make_policy(config: CellJobConfig) -> Policy:

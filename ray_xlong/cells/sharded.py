@@ -10,6 +10,8 @@ ShardedCell (driver-side handle; answers the learner calls ElasticLearnerGroup m
                the ``batch_of`` callable the RLlib adapter hands in), then
   accumulate:  every rank takes rows r ≡ rank (mod R) of the micro-batch (a rank without rows
                runs row 0 with zero loss scale: FSDP needs every rank in every collective);
+               with LearnerSettings.context_parallel = cp, groups of cp ranks split their rows
+               by token ranges instead (``cells/context_parallel.py``);
                reduce-scatter SUMS (divide factor 1) into each rank's gradient shard
   take_gradients: all-gather the full gradient; rank 0's copy is the cell's
   apply_step:  Σ parts / total, each rank keeps its shard (no communication), Adam on shards
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
+from ray_xlong.cells.context_parallel import make_groups, rank_share
 from ray_xlong.cells.sharding import ShardingError, ShardingSettings, rank_placements
 from ray_xlong.trajectory.loss import policy_loss
 from ray_xlong.trajectory.model import token_logprobs
@@ -87,6 +90,7 @@ class LearnerRank:
             torch.cuda.set_device(self.device)
         _init_process_group(self.sharding, rank=self.rank, world_size=self.world_size,
                             init_method=f"tcp://{addr}:{port}")
+        self.cp_group = self._context_group()
         self.root = _sharded_model(self.settings, self.sharding, self.device, self.world_size)
         self.lm = self.root.lm
         self.opt = torch.optim.Adam(self.lm.parameters(), lr=self.settings.lr)
@@ -115,15 +119,27 @@ class LearnerRank:
         """Forward + backward this rank's rows of ``micro_batch``; returns their targets."""
         self._check("accumulate", version)
         batch = PackedBatch.from_tensors(micro_batch)
-        mine, targets = rank_rows(batch, rank=self.rank, world_size=self.world_size)
+        plan = None
+        if self.settings.context_parallel > 1:
+            mine, plan, targets = rank_share(batch, rank=self.rank, world_size=self.world_size,
+                                             context_parallel=self.settings.context_parallel,
+                                             group=self.cp_group)
+        else:
+            mine, targets = rank_rows(batch, rank=self.rank, world_size=self.world_size)
         mine = PackedBatch.from_tensors({k: v if k in ("run_ids", "layout") else
                                          v.to(self.device)
                                          for k, v in mine.to_tensors().items()})
-        loss, _ = policy_loss(self.root(mine.to_tensors()), mine, self.settings.loss)
+        loss, _ = policy_loss(self.root(mine.to_tensors(), plan), mine, self.settings.loss)
         loss.backward()
         self.micro_batches += 1
         self.tokens += targets
         return targets
+
+    def _context_group(self) -> Any:
+        """This rank's context-parallel process group (None without context parallelism)."""
+        if self.settings.context_parallel == 1:
+            return None
+        return make_groups(self.world_size, self.settings.context_parallel, self.rank)
 
     def _check(self, call: str, version: int | None) -> None:
         if self.asleep:
@@ -309,9 +325,9 @@ class _TokenLogprobs(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, tensors: dict[str, torch.Tensor], plan: Any = None) -> torch.Tensor:
         # a fresh tensor, not a view: FSDP's pre-backward hook sits on the root's output
-        return token_logprobs(self.lm, PackedBatch.from_tensors(tensors)).clone()
+        return token_logprobs(self.lm, PackedBatch.from_tensors(tensors), plan=plan).clone()
 
 
 def _sharded_model(settings: LearnerSettings, sharding: ShardingSettings, device: torch.device,

@@ -14,7 +14,9 @@ depends on the attention implementation:
 Logits are the model's own: the whole ``model(...)`` forward runs (its head *and* its logit
 post-processing: Gemma-2's final soft-capping, Cohere's ``logit_scale``, Granite's
 ``logits_scaling``, ...), with a pre-hook on the output embedding that gathers the hidden
-states at ``target_src`` first, so memory is ``T × V``, not ``R × L × V``.
+states at ``target_src`` first. The head then runs in chunks of targets
+(``chunked_logprobs.py``: the model's forward makes only a probe's logits, from which its
+post-processing is read), so memory is O(chunk × V), not ``T × V``.
 
 Position-dependent attention in the tree layout counts along the trajectory (position = depth):
 
@@ -33,7 +35,10 @@ from __future__ import annotations
 
 import torch
 
+from ray_xlong.trajectory.chunked_logprobs import (LogitPost, chunked_logprobs, is_chunkable,
+                                                   probe_size, read_post)
 from ray_xlong.trajectory.packing import PackedBatch
+from ray_xlong.trajectory.split_kv import split_kv_plan
 from ray_xlong.trajectory.tree_attention import (ATTN_IMPLEMENTATION, TreeLayoutUnsupported,
                                                  tree_plan)
 
@@ -107,8 +112,10 @@ def tree_block_mask(kv_end: torch.Tensor, *, depth: torch.Tensor | None = None,
                              device=kv_end.device)
 
 
-def attention_inputs(model: torch.nn.Module, batch: PackedBatch, *, device=None) -> dict:
-    """Keyword arguments for the model's decoder: ids, mask, positions (and a tree plan)."""
+def attention_inputs(model: torch.nn.Module, batch: PackedBatch, *, device=None,
+                     plan=None) -> dict:
+    """Keyword arguments for the model's decoder: ids, mask, positions (and a tree plan:
+    ``plan`` when given, else one built from the batch)."""
     device = device or next(model.parameters()).device
     mask = batch.attention_mask.to(device)
     extra = {}
@@ -116,13 +123,30 @@ def attention_inputs(model: torch.nn.Module, batch: PackedBatch, *, device=None)
         check_tree_support(model)
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         if impl == ATTN_IMPLEMENTATION:
-            extra["tree_plan"] = tree_plan(mask, batch.valid,
-                                           depth=batch.position_ids.to(device))
+            if plan is not None and attention_variant(model.config)[1] is not None:
+                raise TreeLayoutUnsupported(
+                    f"{type(model).__name__}: a context-parallel plan has no sliding windows "
+                    f"(the model's window is {attention_variant(model.config)[1]}); train it "
+                    f"with LearnerSettings.context_parallel=1")
+            extra["tree_plan"] = plan if plan is not None else _xlong_tree_plan(
+                model, mask, batch.valid, depth=batch.position_ids.to(device))
             mask = mask[:, None, None, :]          # 4D: HF passes it through untouched
         else:
             mask = _tree_masks(model, mask, batch.position_ids.to(device), impl)
     return dict(input_ids=batch.input_ids.to(device), attention_mask=mask,
                 position_ids=batch.position_ids.to(device), **extra)
+
+
+def _xlong_tree_plan(model: torch.nn.Module, kv_end: torch.Tensor, valid: torch.Tensor, *,
+                     depth: torch.Tensor):
+    """CPU: the segment plan (``tree_attention.py``); other devices: the split-KV plan over
+    fused kernels (``split_kv.py``, no masks) unless attention dropout or a sliding window
+    (counted along ``depth``, which the split-KV plan does not cut by) needs the segment plan."""
+    dropout = float(getattr(model.config, "attention_dropout", 0.0) or 0.0)
+    _, window = attention_variant(model.config)
+    if kv_end.device.type == "cpu" or (model.training and dropout > 0) or window is not None:
+        return tree_plan(kv_end, valid, depth=depth)
+    return split_kv_plan(kv_end, valid)
 
 
 def _tree_masks(model: torch.nn.Module, kv_end: torch.Tensor, depth: torch.Tensor, impl: str):
@@ -137,37 +161,66 @@ def _tree_masks(model: torch.nn.Module, kv_end: torch.Tensor, depth: torch.Tenso
 
 
 def token_logprobs(model: torch.nn.Module, batch: PackedBatch, *,
-                   temperature: float = 1.0) -> torch.Tensor:
+                   temperature: float = 1.0, chunk_tokens: int | None = None,
+                   plan=None) -> torch.Tensor:
     """Logprob of every target under ``model`` (differentiable).
 
     Args:
         model: a HF causal LM (``get_output_embeddings()``; its own forward makes the logits).
         batch: a packed batch, either layout.
         temperature: the sampling temperature the engine used (logits are divided by it).
+        chunk_tokens: targets per chunk of the output head (``chunked_logprobs.py``: memory
+            O(chunk × V)); None: a chunk of ``CHUNK_BYTES`` float32 logits; 0: unchunked (the
+            model's forward makes all ``T × V`` logits at once).
+        plan: the tree plan to attend with instead of one built from ``batch`` (a
+            ``context_parallel.ContextParallelPlan`` for a rank's share of a row).
 
     Returns:
         ``[T]`` logprobs, in the batch's canonical target order (the same in both layouts).
     """
-    inputs = attention_inputs(model, batch)
+    inputs = attention_inputs(model, batch, plan=plan)
     device = inputs["input_ids"].device
     rows, src = batch.target_row.to(device), batch.target_src.to(device)
+    chunked = chunk_tokens != 0 and is_chunkable(model)
+    kept = {}
 
     def gather(module, args):
-        return (args[0][rows, src].unsqueeze(0),) + tuple(args[1:])
+        hidden = args[0][rows, src]
+        if not chunked:
+            return (hidden.unsqueeze(0),) + tuple(args[1:])
+        kept["hidden"] = hidden
+        return (hidden[:probe_size(len(hidden))].detach().unsqueeze(0),) + tuple(args[1:])
 
     handle = model.get_output_embeddings().register_forward_pre_hook(gather)
     try:
         logits = model(**inputs, use_cache=False).logits
     finally:
         handle.remove()
-    if logits.shape[:2] != (1, rows.numel()):
+    expected = probe_size(rows.numel()) if chunked else rows.numel()
+    if logits.shape[:2] != (1, expected):
         raise TreeLayoutUnsupported(f"{type(model).__name__}: its forward does not apply the "
                                     f"output embedding module to the hidden states (logits "
                                     f"{tuple(logits.shape)}); token_logprobs cannot read them")
+    targets = batch.target_ids.to(device)
+    if chunked:
+        return _chunked(model, kept["hidden"], logits[0], targets, temperature, chunk_tokens)
     logits = logits[0]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
-    return logp.gather(-1, batch.target_ids.to(device).unsqueeze(-1)).squeeze(-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _chunked(model, hidden, probe_logits, targets, temperature, chunk_tokens):
+    """The chunked head over all targets, its post-processing read off the model's probe."""
+    head = model.get_output_embeddings()
+    post = LogitPost()
+    if probe_logits.shape[0]:
+        with torch.no_grad():
+            raw = torch.nn.functional.linear(hidden[:probe_logits.shape[0]], head.weight,
+                                             head.bias)
+        post = read_post(model, raw, probe_logits)
+    return chunked_logprobs(hidden, head, targets, post=post, temperature=temperature,
+                            chunk_tokens=chunk_tokens)

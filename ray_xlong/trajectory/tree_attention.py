@@ -26,8 +26,9 @@ The backward runs the kernel's backward on each part with the *merged* output an
 (the split-KV identity: a part's probabilities are ``exp(s − lse)``), adding into one gradient
 buffer per tensor: no recompute, no additive masks, no per-segment full-size zero gradients.
 Work = Σ over tree tokens of their depth, ≤ the per-trajectory work Σ Lᵢ²/2 (every tree token
-sits at the same depth in some trajectory). Elsewhere (other devices, or dropout) each segment
-is one plain ``scaled_dot_product_attention`` call over its keys with a cached additive mask;
+sits at the same depth in some trajectory). Other devices run the same split-KV merge over their
+fused kernels (``split_kv.py``: CUDA flash / memory-efficient, no masks). With attention dropout
+each segment is one plain ``scaled_dot_product_attention`` call over its keys with a cached mask;
 ``chunk`` cuts long segments there so the masked-out triangle stays ≤ ``chunk²/2`` per piece.
 Sliding windows (Mistral, Qwen2, Gemma-2/3, Cohere-2, Starcoder2: the layer's ``sliding_window``)
 count along the trajectory: query ``q`` sees key ``k`` of its path iff ``depth(q) - depth(k) <
@@ -306,9 +307,13 @@ def _segment_attention(q, k, v, seg: TreeSegment, plan: TreePlan, scaling, dropo
 
 def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                            value: torch.Tensor, attention_mask, dropout: float = 0.0,
-                           scaling: float | None = None, tree_plan: TreePlan | None = None,
+                           scaling: float | None = None, tree_plan=None,
                            **kwargs):
     """HF attention-interface function (``query [B, H, L, D]``, ``key/value [B, Hkv, L, D]``).
+
+    ``tree_plan``: a :class:`TreePlan` (CPU kernels; masked sdpa where dropout is on), or any
+    plan with an ``attend(query, key, value, *, scale)`` method (``split_kv.SplitKVPlan``: the
+    fused-kernel path of every device; ``context_parallel.ContextParallelPlan``).
 
     Returns ``(output [B, L, H, D], None)`` like HF's implementations. Padding queries get zeros.
     """
@@ -323,6 +328,9 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                 f"pack='per_trajectory'")
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    if hasattr(tree_plan, "attend"):     # split-KV plans: split_kv.py, context_parallel.py
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return tree_plan.attend(query, key, value, scale=scale).transpose(1, 2).contiguous(), None
     dropout = dropout if module.training else 0.0
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if window is not None or softcap:

@@ -37,8 +37,8 @@ def pipeline(settings: LearnerSettings, user=None) -> ConnectorBatches:
     return ConnectorBatches(config)
 
 
-def start_cells(model_dir: str, n: int, *, ranks: int = 2, user=None) -> list:
-    settings = LearnerSettings(model_dir=model_dir, lr=LR, dtype="float32")
+def start_cells(model_dir: str, n: int, *, ranks: int = 2, user=None, cp: int = 1) -> list:
+    settings = LearnerSettings(model_dir=model_dir, lr=LR, dtype="float32", context_parallel=cp)
     sharding = ShardingSettings(ranks_per_cell=ranks)
     import ray
 
@@ -55,16 +55,19 @@ SCHEDULES = [
     # hold the step-0 weights and Adam state), two streamed chunks per step.
     pytest.param(2, [lambda i: 0 if i < 2 else 1, lambda i: 1], 2, id="2x2-ranks-join"),
 ]
+CONTEXT_PARALLEL = [pytest.param(1, id="rows"), pytest.param(2, id="context-parallel")]
+"""``LearnerSettings.context_parallel``: rows over ranks, or every row split over both."""
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("cp", CONTEXT_PARALLEL)
 @pytest.mark.parametrize("n,schedule,chunks", SCHEDULES)
 def test_sharded_cells_train_the_plain_torch_weights(ray_local, model_dir, n, schedule, chunks,
-                                                     monkeypatch):
+                                                     cp, monkeypatch):
     monkeypatch.setattr(lg, "MICRO_TOKENS", WIDE_MICRO_TOKENS)
     want = reference_weights(model_dir, "float32")
     start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}
-    cells = start_cells(model_dir, n)
+    cells = start_cells(model_dir, n, cp=cp)
     try:
         group = ElasticLearnerGroup(cells)
         train(ray_local, group, schedule, chunks=chunks)
@@ -93,7 +96,8 @@ def test_rank_rows_cover_every_row_once_and_pad_an_idle_rank():
 
 
 @pytest.mark.slow
-def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir, monkeypatch):
+@pytest.mark.parametrize("cp", CONTEXT_PARALLEL)
+def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir, cp, monkeypatch):
     """Rank 1 of cell 1 dies between micro-batches: the cell's next call fails as an actor loss
     (``actor_lost``), a new 2-rank cell takes its place, the micro-batches the dead cell held go
     to the queue again, and both steps end on the plain-torch weights."""
@@ -103,7 +107,7 @@ def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir, monke
 
     want = reference_weights(model_dir, "float32")
     start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}
-    settings = LearnerSettings(model_dir=model_dir, lr=LR, dtype="float32")
+    settings = LearnerSettings(model_dir=model_dir, lr=LR, dtype="float32", context_parallel=cp)
     sharding = ShardingSettings(ranks_per_cell=2, timeout_s=15)
 
     def new_cell():

@@ -1,0 +1,152 @@
+"""Context parallelism: a sharded cell's ranks split tree rows by token ranges (gloo, no Ray).
+
+Two processes run ``LearnerRank`` itself (FSDP2 over both, ``context_parallel=2``: one
+data-parallel group, every row joined and split in two) and, next to it, the plain model on
+the same rank share; the cell's summed gradient and the ranks' logprobs must equal one device's
+(fp32: logprobs ≤ 1e-4 abs, gradients ≤ 1e-4 relative to each tensor's largest entry).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ray_xlong.cells.config import CellJobConfig, LearnerSettings
+from ray_xlong.cells.context_parallel import rank_share
+from ray_xlong.cells.pool import CellLayout
+from ray_xlong.cells.sharding import ShardingSettings
+from ray_xlong.models import TinyModelConfig, load_model, tiny_causal_lm
+from ray_xlong.scheduling import SchedulingConfig
+from ray_xlong.trajectory import LossConfig, ProcessorConfig, TrajectoryProcessor, policy_loss
+from ray_xlong.trajectory.context_parallel import ContextParallelError, join_rows, shard_row
+from ray_xlong.trajectory.model import token_logprobs
+from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_runs
+
+
+def tree_batch():
+    """Two runs' trees in two rows (rows are joined into one, then split)."""
+    cfg = SyntheticConfig(num_calls=10, vocab_size=64, system_tokens=4, task_tokens=3,
+                          tool_tokens_mean=3.0, output_tokens_mean=3.0, context_budget=45,
+                          summary_tokens=3, num_subagents=1, subagent_calls=2, num_retries=2,
+                          timeout_prob=0.3, failed_prob=0.0)
+    runs = synthetic_runs(3, groups=1, runs_per_group=2, config=cfg)
+    return TrajectoryProcessor(ProcessorConfig(max_trajectories_per_run=3, pack="tree",
+                                               row_tokens=None)).process(runs).packed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, model_dir: str, port: int, out: str) -> None:
+    from ray_xlong.cells.sharded import LearnerRank
+
+    torch.set_num_threads(1)
+    settings = LearnerSettings(model_dir=model_dir, context_parallel=world)
+    learner = LearnerRank(settings=settings, sharding=ShardingSettings(ranks_per_cell=world),
+                          rank=rank, world_size=world)
+    learner.setup("127.0.0.1", port)
+    batch = tree_batch()
+    learner.accumulate(batch.to_tensors())
+    grads = learner.take_gradients()
+    plain = load_model(model_dir, attn_implementation="xlong_tree")
+    local, plan, _ = rank_share(batch, rank=rank, world_size=world, context_parallel=world,
+                                group=learner.cp_group)
+    logprobs = token_logprobs(plain, local, plan=plan, chunk_tokens=5).detach()
+    joined = join_rows(batch, [0, 1])
+    _, every = shard_row(joined, rank=rank, size=world, group=learner.cp_group, exchange="all")
+    assert sum(every.sizes) == int(joined.valid.sum()) > sum(plan.sizes) > 0
+    everything = token_logprobs(plain, local, plan=every).detach()
+    torch.save({"grads": grads, "logprobs": logprobs, "src": local.target_src + plan.start,
+                "ids": local.target_ids, "all": everything}, f"{out}/rank{rank}.pt")
+
+
+def test_two_rank_context_parallel_step_equals_one_device(tmp_path):
+    from ray_xlong.trajectory.tree_attention import register
+
+    register()
+    model = tiny_causal_lm(TinyModelConfig(vocab_size=64), attn_implementation="xlong_tree")
+    model.save_pretrained(tmp_path / "model")
+    batch = tree_batch()
+    assert batch.input_ids.shape[0] == 2
+    mp.spawn(_rank, args=(2, str(tmp_path / "model"), free_port(), str(tmp_path)), nprocs=2)
+
+    model.train()
+    want_lp = token_logprobs(model, batch, chunk_tokens=0)
+    loss, _ = policy_loss(want_lp, batch, LossConfig())
+    loss.backward()
+    joined = join_rows(batch, [0, 1])
+    want = {(int(s), int(t)): float(v) for s, t, v in
+            zip(joined.target_src, joined.target_ids, token_logprobs(model, joined).detach())}
+    for exchange in ("logprobs", "all"):           # ancestor spans, or whole ranges
+        got = {}
+        for rank in range(2):
+            part = torch.load(tmp_path / f"rank{rank}.pt")
+            got.update({(int(s), int(t)): float(v) for s, t, v in
+                        zip(part["src"], part["ids"], part[exchange])})
+        assert got.keys() == want.keys() and len(got) == batch.num_targets > 50
+        assert max(abs(got[k] - want[k]) for k in want) <= 1e-4
+    grads = torch.load(tmp_path / "rank0.pt")["grads"]
+    for name, p in model.named_parameters():
+        scale = float(p.grad.abs().max())
+        assert float((grads[name] - p.grad).abs().max()) <= 1e-4 * max(scale, 1e-12), name
+
+
+def test_rows_split_by_token_ranges_cover_every_target_once():
+    joined = join_rows(tree_batch(), [0, 1])
+    n = int(joined.valid.sum())
+    seen = []
+    for rank in range(3):
+        local, plan = shard_row(joined, rank=rank, size=3)
+        assert plan.width == -(-n // 3) and local.input_ids.shape == (1, plan.width)
+        assert int(local.valid.sum()) == min(plan.width, n - plan.start)
+        seen += (local.target_src + plan.start).tolist()
+    assert sorted(seen) == sorted(joined.target_src.tolist())
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize("exchange", ["spans", "all"])
+def test_each_ranks_context_sees_exactly_what_the_mask_allows(size, exchange):
+    from ray_xlong.trajectory.model import tree_mask_bool
+
+    joined = join_rows(tree_batch(), [0, 1])
+    mask = tree_mask_bool(joined.attention_mask)[0, 0]
+    for rank in range(size):
+        _, plan = shard_row(joined, rank=rank, size=size, exchange=exchange)
+        cols = plan.context_columns()
+        queries = []
+        for p in plan.pieces:
+            for q in range(p.start, p.stop):
+                seen = {cols[c] for lo, hi in p.prefix for c in range(lo, hi)}
+                seen |= {cols[c] for c in range(p.start, q + 1)}
+                assert seen == set(torch.nonzero(mask[cols[q]]).flatten().tolist())
+                queries.append(cols[q])
+        assert queries == list(range(plan.start, min(plan.start + plan.width,
+                                                     int(joined.valid.sum()))))
+
+
+def test_context_parallel_that_does_not_divide_the_ranks_names_both(tmp_path):
+    with pytest.raises(ContextParallelError, match=r"context_parallel=3 does not divide the "
+                                                   r"cell's 4 Learner ranks"):
+        CellJobConfig(mode="elastic",
+                      job=SchedulingConfig(total_steps=1, batch_groups=1, runs_per_group=2,
+                                           staleness_bound=1),
+                      layout=CellLayout(cells=2, nodes_per_cell=1, gpus_per_node=1),
+                      learner=LearnerSettings(model_dir=str(tmp_path), context_parallel=3),
+                      sharding=ShardingSettings(ranks_per_cell=4))
+    with pytest.raises(ValueError, match="LearnerSettings.context_parallel"):
+        LearnerSettings(model_dir=str(tmp_path), context_parallel=0)
+
+
+def test_context_parallel_larger_than_the_row_names_both():
+    batch = tree_batch()
+    small = join_rows(batch, [0])
+    n = int(small.valid.sum())
+    with pytest.raises(ContextParallelError, match=rf"context_parallel={n + 1} exceeds the row: "
+                                                   rf"{n + 1} ranks for a row of {n} tokens"):
+        shard_row(small, rank=0, size=n + 1)
