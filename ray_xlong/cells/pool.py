@@ -42,11 +42,11 @@ from ray_xlong.cells.ray_edge import actor_lost
 from ray_xlong.cells.sharded import BatchOf, ShardedCell, kill, start_sharded_cell
 from ray_xlong.cells.sharding import ShardingError, ShardingSettings
 
-if TYPE_CHECKING:  # config.py imports this module
+if TYPE_CHECKING:  # annotations only
     from ray.actor import ActorHandle
     from ray.util.placement_group import PlacementGroup
 
-    from ray_xlong.cells.config import LearnerSettings
+    from ray_xlong.cells.learner_settings import LearnerSettings
     from ray_xlong.cells.engines import EngineLayout
     from ray_xlong.cells.protocols import Learner, Runner
 

@@ -39,18 +39,16 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from ray_xlong.cells.context_parallel import make_groups, rank_share
+from ray_xlong.cells.learner_settings import LearnerSettings
 from ray_xlong.cells.sharding import ShardingError, ShardingSettings, rank_placements
 from ray_xlong.trajectory.loss import policy_loss
 from ray_xlong.trajectory.model import token_logprobs
 from ray_xlong.trajectory.packing import PackedBatch, _take_rows
-
-if TYPE_CHECKING:  # config.py imports pool.py, which imports this module
-    from ray_xlong.cells.config import LearnerSettings
 
 BatchOf = Callable[[Sequence[str], Sequence[float], Sequence[Any]], Mapping[str, torch.Tensor]]
 """``batch_of(run_ids, advantages, payloads) -> module-batch tensors``: the Learner connector
@@ -343,7 +341,7 @@ def _sharded_model(settings: LearnerSettings, sharding: ShardingSettings, device
 
     if settings.model_attention == ATTN_IMPLEMENTATION:
         register()
-    # LearnerSettings.dtype names a torch dtype (cells.config.DTYPES; that module imports Ray)
+    # LearnerSettings.dtype names a torch dtype (cells.learner_settings.DTYPES)
     lm = load_model(settings.model_dir, dtype=getattr(torch, settings.dtype),
                     attn_implementation=settings.model_attention).to(device)
     lm.train()
