@@ -28,6 +28,7 @@ from ray_xlong.sim.modes import (
     best_static_split, forecast_policy, make_policies, preset_workload, simulate_preset,
     with_steps,
 )
+from ray_xlong.sim.planner import PlanCosts, planned_policy
 from ray_xlong.sim.presets import PAPER_HOURS, SIGMA, Z_61, Preset, get_preset
 from ray_xlong.sim.timeline import plot_timelines
 
@@ -101,8 +102,9 @@ def sweep_variants(preset: Preset) -> list[tuple[str, str, Preset]]:
     return out
 
 
-def run_sweeps(preset: Preset, *, seed: int) -> list[dict]:
-    """Colocated / async / elastic on every sweep variant."""
+def run_sweeps(preset: Preset, *, seed: int, planned: bool = True) -> list[dict]:
+    """Colocated / async / elastic / forecast, the best fixed split by hindsight and the
+    planned policy on every sweep variant."""
     rows = []
     for sweep, value, p in sweep_variants(preset):
         w = preset_workload(p, seed=seed)
@@ -111,23 +113,48 @@ def run_sweeps(preset: Preset, *, seed: int) -> list[dict]:
                     "async": AsyncPolicy(rollout_cells=p.async_rollout_cells),
                     "elastic": ElasticPolicy(), "forecast": forecast_policy(p)}
         hours = {n: simulate_preset(p, pol, seed=seed, workload=w).makespan_h for n, pol in policies.items()}
-        rows.append({"sweep": sweep, "value": value, "lower_bound_h": lb, **{f"{n}_h": h for n, h in hours.items()},
-                     "elastic_vs_colocated": hours["colocated"] / hours["elastic"],
-                     "elastic_vs_async": hours["async"] / hours["elastic"],
-                     "forecast_vs_elastic": hours["elastic"] / hours["forecast"]})
+        split, best = best_static_split(p, workload=w)
+        row = {"sweep": sweep, "value": value, "lower_bound_h": lb,
+               **{f"{n}_h": h for n, h in hours.items()},
+               "elastic_vs_colocated": hours["colocated"] / hours["elastic"],
+               "elastic_vs_async": hours["async"] / hours["elastic"],
+               "forecast_vs_elastic": hours["elastic"] / hours["forecast"],
+               "best_static_h": best.makespan_h, "best_static_rollout_cells": split}
+        if planned:
+            row.update(_planned_row(p, w, seed=seed, row=row))
+        print(json.dumps(row), flush=True)  # progress: a sweep takes minutes
+        rows.append(row)
     return rows
+
+
+def _planned_row(p: Preset, w, *, seed: int, row: dict) -> dict:
+    """``planned_h``, its ratio to the best of the baselines, and the plans' driver cost."""
+    policy = planned_policy(costs=PlanCosts(step_fixed=p.costs.step_fixed_h,
+                                            finish_blocks=p.costs.finish_blocks,
+                                            parallel_training_cells=p.costs.parallel_training_cells),
+                            seed=seed)
+    h = simulate_preset(p, policy, seed=seed, workload=w).makespan_h
+    best = min(row[k] for k in ("colocated_h", "async_h", "elastic_h", "best_static_h"))
+    walls = [plan.wall_s for plan in policy.plans]
+    return {"planned_h": h, "planned_vs_best_baseline": h / best,
+            "planned_plans": len(walls), "planned_plan_wall_s_max": max(walls, default=0.0),
+            "planned_plan_wall_s_total": sum(walls),
+            "planned_final_plan": policy.current_label}
 
 
 def sweep_table(rows: list[dict]) -> str:
     """Markdown table of the sweeps."""
     lines = ["| sweep | value | lower bound h | colocated h | async h | elastic h | forecast h | "
-             "elastic × vs colocated | elastic × vs async | forecast × vs elastic |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "best_static h (split) | planned h | planned ÷ best of colocated/async/elastic/"
+             "best_static | elastic × vs colocated | forecast × vs elastic |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        planned = f"{r['planned_h']:.2f}" if "planned_h" in r else "–"
+        ratio = f"{r['planned_vs_best_baseline']:.3f}" if "planned_h" in r else "–"
         lines.append(f"| {r['sweep']} | {r['value']} | {r['lower_bound_h']:.2f} | {r['colocated_h']:.2f} | "
                      f"{r['async_h']:.2f} | {r['elastic_h']:.2f} | {r['forecast_h']:.2f} | "
-                     f"{r['elastic_vs_colocated']:.2f} | {r['elastic_vs_async']:.2f} | "
-                     f"{r['forecast_vs_elastic']:.2f} |")
+                     f"{r['best_static_h']:.2f} ({r['best_static_rollout_cells']}) | {planned} | "
+                     f"{ratio} | {r['elastic_vs_colocated']:.2f} | {r['forecast_vs_elastic']:.2f} |")
     return "\n".join(lines)
 
 
@@ -176,27 +203,33 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--plot", default=None, help="per-cell Gantt PNG of every mode")
     ap.add_argument("--steps", type=int, default=None, help="override the preset's steps (smoke runs)")
     ap.add_argument("--no-sweeps", action="store_true", help="skip the sweeps")
+    ap.add_argument("--sweeps-only", action="store_true", help="skip the mode table")
+    ap.add_argument("--no-planned", action="store_true",
+                    help="sweeps without the planned policy (it plans with the simulator)")
     ap.add_argument("--compare-seeds", type=int, nargs="*", default=None,
                     help="also run elastic vs forecast on these seeds")
     args = ap.parse_args(argv)
     preset = get_preset(args.preset)
     if args.steps is not None:
         preset = with_steps(preset, args.steps)
-    lb, rows, logs = run_modes(preset, seed=args.seed)
-    print(f"## {preset.name}, seed {args.seed}: {preset.job.total_steps} steps, "
-          f"{preset.job.total_runs} runs, lower bound {lb:.2f} h\n")
-    print(table(rows, paper=args.steps is None and preset.name == "paper-2.4t") + "\n")
     out = {"preset": preset.name, "seed": args.seed, "steps": preset.job.total_steps,
-           "lower_bound_h": lb, "paper_h": PAPER_HOURS, "modes": rows,
-           "sim_wall_s_max": max(r["sim_wall_s"] for r in rows.values())}
-    print(f"slowest single simulation: {out['sim_wall_s_max']:.2f} s\n")
+           "paper_h": PAPER_HOURS}
+    logs: dict = {}
+    if not args.sweeps_only:
+        lb, rows, logs = run_modes(preset, seed=args.seed)
+        print(f"## {preset.name}, seed {args.seed}: {preset.job.total_steps} steps, "
+              f"{preset.job.total_runs} runs, lower bound {lb:.2f} h\n")
+        print(table(rows, paper=args.steps is None and preset.name == "paper-2.4t") + "\n")
+        out.update(lower_bound_h=lb, modes=rows,
+                   sim_wall_s_max=max(r["sim_wall_s"] for r in rows.values()))
+        print(f"slowest single simulation: {out['sim_wall_s_max']:.2f} s\n")
     if not args.no_sweeps:
-        out["sweeps"] = run_sweeps(preset, seed=args.seed)
+        out["sweeps"] = run_sweeps(preset, seed=args.seed, planned=not args.no_planned)
         print(sweep_table(out["sweeps"]) + "\n")
     if args.compare_seeds:
         out["seed_comparison"] = compare_seeds(preset, args.compare_seeds)
         print(seed_table(out["seed_comparison"]) + "\n")
-    if args.plot:
+    if args.plot and logs:
         shown = ("colocated", "async", "elastic", "forecast", "best_static")
         plot_timelines({m: logs[m] for m in shown}, args.plot,
                        title=f"{preset.name} seed {args.seed}: per-cell roles")
