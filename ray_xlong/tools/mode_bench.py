@@ -52,14 +52,16 @@ SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, 
     "smoke": dict(cells=2, steps=2, batch=2, group=2, slots=2, async_rollout=1, task_steps=3,
                   median_s=720.0),
     "quick": dict(cells=3, steps=3, batch=3, group=2, slots=2, async_rollout=2, task_steps=4,
-                  median_s=2160.0),
+                  median_s=2160.0, cal_steps=3),
     "full": dict(cells=4, steps=6, batch=4, group=2, slots=3, async_rollout=3, task_steps=6,
                  median_s=2160.0),
     # paper-2.4t compressed (one task hour = one wall second): 8 cells, a run's tool time is
     # log-normal (median 5 h, sigma 0.8: 61% >= 4 h) over 16 steps, cut at 6 h; staleness bound
     # 7; 8 runs a step on 4 slots a cell keep the paper's ~4.3 steps of runs in flight; a
     # 4-step calibration (medians) and a step trained on every cell at once (how many logical
-    # GPUs train at full speed on the shared cores); one micro-batch per run.
+    # GPUs train at full speed on the shared cores); one micro-batch per run. ``quick``
+    # calibrates on 3 steps too (medians: a one-step calibration takes the first step's
+    # finish, which pays the learner's warm-up, as every step's blocking finish).
     "paper8": dict(cells=8, steps=16, batch=4, group=2, slots=4, async_rollout=3, task_steps=16,
                    median_s=1125.0, latency_sigma=0.0, run_sigma=0.8, timeout_x=1.2, bound=7,
                    light=True, cal_steps=4, micro_batch_tokens=1),
