@@ -28,7 +28,7 @@ import time
 from ray_xlong.scheduling.asynchronous import AsyncPolicy
 from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
-from ray_xlong.sim.metrics import lower_bound_h, summarize
+from ray_xlong.sim.metrics import bound_parts, lower_bound_h, summarize
 from ray_xlong.sim.modes import (
     best_static_split, forecast_policy, make_policies, preset_planner, preset_workload,
     simulate_preset, with_steps,
@@ -147,6 +147,20 @@ def _planned_row(p: Preset, w, *, seed: int, row: dict) -> dict:
             "planned_final_plan": policy.current_label}
 
 
+def bounds_table(preset: Preset, *, seed: int) -> tuple[list[dict], str]:
+    """The parts of the lower bound (work, chain, staleness admission) at every sweep point:
+    which one binds (no simulation)."""
+    rows, lines = [], ["| sweep | value | work h | chain h | admission h | binds |",
+                       "|---|---|---|---|---|---|"]
+    for sweep, value, p in sweep_variants(preset):
+        w = preset_workload(p, seed=seed)
+        parts = bound_parts(workload=w, cluster=p.cluster, costs=p.costs, config=p.job)
+        rows.append({"sweep": sweep, "value": value, **{f"{k}_h": v for k, v in parts.items()}})
+        lines.append(f"| {sweep} | {value} | {parts['work']:.2f} | {parts['chain']:.2f} | "
+                     f"{parts['admission']:.2f} | {max(parts, key=parts.get)} |")
+    return rows, "\n".join(lines)
+
+
 def sweep_table(rows: list[dict]) -> str:
     """Markdown table of the sweeps."""
     lines = ["| sweep | value | lower bound h | colocated h | async h | elastic h | forecast h | "
@@ -209,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=None, help="override the preset's steps (smoke runs)")
     ap.add_argument("--no-sweeps", action="store_true", help="skip the sweeps")
     ap.add_argument("--sweeps-only", action="store_true", help="skip the mode table")
+    ap.add_argument("--bounds", action="store_true",
+                    help="print the lower bound's parts at every sweep point and exit")
     ap.add_argument("--no-planned", action="store_true",
                     help="sweeps without the planned policy (it plans with the simulator)")
     ap.add_argument("--compare-seeds", type=int, nargs="*", default=None,
@@ -219,6 +235,10 @@ def main(argv: list[str] | None = None) -> dict:
         preset = with_steps(preset, args.steps)
     out = {"preset": preset.name, "seed": args.seed, "steps": preset.job.total_steps,
            "paper_h": PAPER_HOURS}
+    if args.bounds:
+        out["bounds"], text = bounds_table(preset, seed=args.seed)
+        print(text)
+        return out
     logs: dict = {}
     if not args.sweeps_only:
         lb, rows, logs = run_modes(preset, seed=args.seed)
