@@ -110,11 +110,14 @@ def sweep_variants(preset: Preset) -> list[tuple[str, str, Preset]]:
     return out
 
 
-def run_sweeps(preset: Preset, *, seed: int, planned: bool = True) -> list[dict]:
+def run_sweeps(preset: Preset, *, seed: int, planned: bool = True,
+               points: list[str] | None = None) -> list[dict]:
     """Colocated / async / elastic / forecast, the best fixed split by hindsight and the
-    planned policy on every sweep variant."""
+    planned policy on every sweep variant (``points``: only these, as ``"sweep=value"``)."""
     rows = []
     for sweep, value, p in sweep_variants(preset):
+        if points and f"{sweep}={value}" not in points:
+            continue
         w = preset_workload(p, seed=seed)
         lb = lower_bound_h(workload=w, cluster=p.cluster, costs=p.costs, config=p.job)
         policies = {"colocated": ColocatedPolicy(),
@@ -223,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=None, help="override the preset's steps (smoke runs)")
     ap.add_argument("--no-sweeps", action="store_true", help="skip the sweeps")
     ap.add_argument("--sweeps-only", action="store_true", help="skip the mode table")
+    ap.add_argument("--points", nargs="*", default=None,
+                    help='only these sweep points, e.g. "cells=16" "staleness bound=3"')
     ap.add_argument("--bounds", action="store_true",
                     help="print the lower bound's parts at every sweep point and exit")
     ap.add_argument("--no-planned", action="store_true",
@@ -251,7 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"plans: {rows['planned']['sim_wall_s']:.1f} s; {rows['planned']['plans']} plans, "
               f"the longest {rows['planned']['plan_wall_s_max']:.2f} s)\n")
     if not args.no_sweeps:
-        out["sweeps"] = run_sweeps(preset, seed=args.seed, planned=not args.no_planned)
+        out["sweeps"] = run_sweeps(preset, seed=args.seed, planned=not args.no_planned,
+                                   points=args.points)
         print(sweep_table(out["sweeps"]) + "\n")
     if args.compare_seeds:
         out["seed_comparison"] = compare_seeds(preset, args.compare_seeds)

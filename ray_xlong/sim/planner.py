@@ -91,7 +91,7 @@ class PlannedPolicy:
     """Plans with the simulator, follows the best candidate (see the module docstring)."""
 
     min_steps: int = 1
-    """Steps seen before the first plan (``elastic`` until then)."""
+    """Steps seen before the first plan (the warm-up, ``colocated``, until then)."""
     replan_steps: int = 12
     """Re-plan at least this often (steps), even if the estimates stayed put."""
     tolerance: float = 0.15
@@ -166,9 +166,9 @@ class PlannedPolicy:
             except SimulationStalled:
                 continue
             predicted[label], policies[label] = result.makespan_h, make(est.train_per_group)
-        best = min(predicted, key=predicted.get)
-        keep = self.current_label in predicted and \
-            predicted[self.current_label] <= predicted[best] * (1 + self.hysteresis)
+        best = min(predicted, key=predicted.get, default=self.current_label)
+        keep = best == self.current_label or (self.current_label in predicted and (
+            predicted[self.current_label] <= predicted[best] * (1 + self.hysteresis)))
         if not keep:
             self.current, self.current_label = policies[best], best
         record = PlanRecord(time=state.time, version=state.version, predicted=predicted,
