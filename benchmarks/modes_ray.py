@@ -6,8 +6,11 @@
 ``--size paper8``: 8 cells on one machine (logical GPUs), the paper-2.4t run-length
 distribution compressed from hours to seconds (median 5 s, 61% of runs >= 4 s, cut at 6 s),
 16 steps, light runners (no model: the oracle's tokens are not scored); modes colocated, async,
-elastic, forecast and best_static (async with the split the simulator finds best for the
-calibrated workload); the calibration also measures how many of the 8 logical GPUs train at
+elastic, forecast (sized by the calibration), forecast_online (its inputs learned from the job's
+own events), best_static (async with the split the simulator finds best for the
+calibrated workload) and planned (``ray_xlong/sim/planner.py``: plans with the simulator on the
+driver; its row lists the plans and their driver seconds); ``--quick`` runs colocated, async,
+elastic and planned; the calibration also measures how many of the 8 logical GPUs train at
 full speed at once on this machine's shared cores (``parallel_training_cells``).
 
 One Ray instance (embedded with logical GPUs, keeping idle task workers:
@@ -29,9 +32,10 @@ import argparse
 import json
 import pathlib
 
-from ray_xlong.jobs.mode_bench import MODES, PAPER8_MODES, SIZES, run_comparison, table
+from ray_xlong.jobs.mode_bench import (MODES, PAPER8_MODES, QUICK_MODES, SIZES, run_comparison,
+                                       table)
 
-__all__ = ["MODES", "PAPER8_MODES", "SIZES", "main"]
+__all__ = ["MODES", "PAPER8_MODES", "QUICK_MODES", "SIZES", "main"]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -42,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--size", choices=sorted(SIZES), default=None,
                    help="job size (overrides --quick / --smoke); paper8 = the paper's shape")
     p.add_argument("--modes", nargs="+", default=None,
-                   help=f"default {' '.join(MODES)} ({' '.join(PAPER8_MODES)} for paper8)")
+                   help=f"default {' '.join(QUICK_MODES)} ({' '.join(PAPER8_MODES)} for paper8)")
     p.add_argument("--address", default=None, help="Ray cluster to join (e.g. auto)")
     p.add_argument("--ranks-per-cell", type=int, default=1,
                    help="Learner ranks per training cell (FSDP2; gloo on CPU)")
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--plot-dir", type=pathlib.Path)
     args = p.parse_args(argv)
     size_name = args.size or ("smoke" if args.smoke else "quick" if args.quick else "full")
-    modes = args.modes or list(PAPER8_MODES if size_name == "paper8" else MODES)
+    modes = args.modes or list(PAPER8_MODES if size_name == "paper8" else QUICK_MODES)
 
     from ray_xlong.sim.timeline import plot_timelines
 

@@ -5,7 +5,12 @@
 
 Prints markdown tables (every mode side by side on one sampled workload) and writes JSON shaped
 ``{"preset", "seed", "lower_bound_h", "paper_h", "modes": {mode: {"makespan_h", "gpu_idle_frac",
-...}}, "sweeps": [...], "seed_comparison": [...], "sim_wall_s_max"}``. ``forecast`` is our own
+...}}, "sweeps": [...], "seed_comparison": [...], "sim_wall_s_max"}`` (the slowest simulation
+but planned's, whose row adds ``plans``, ``plan_wall_s_max``, ``plan_wall_s_total``,
+``final_plan``). Sweep rows hold ``{sweep, value, lower_bound_h, colocated_h, async_h,
+elastic_h, forecast_h, best_static_h, best_static_rollout_cells, planned_h,
+planned_vs_best_baseline, planned_plans, planned_plan_wall_s_max, ...}`` (``--sweeps-only``
+skips the mode table; ``--no-planned`` the planned policy). ``forecast`` is our own
 mode (``ray_xlong/scheduling/forecast.py``); ``best_static`` is async with the split found best
 with hindsight on the same workload (its row has ``split: {rollout_cells, training_cells}``; every
 row has ``speedup_vs_best_static``); ``--compare-seeds`` prints elastic vs forecast per
@@ -23,10 +28,10 @@ import time
 from ray_xlong.scheduling.asynchronous import AsyncPolicy
 from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
-from ray_xlong.sim.metrics import lower_bound_h, summarize
+from ray_xlong.sim.metrics import bound_parts, lower_bound_h, summarize
 from ray_xlong.sim.modes import (
-    best_static_split, forecast_policy, make_policies, preset_workload, simulate_preset,
-    with_steps,
+    best_static_split, forecast_policy, make_policies, preset_planner, preset_workload,
+    simulate_preset, with_steps,
 )
 from ray_xlong.sim.presets import PAPER_HOURS, SIGMA, Z_61, Preset, get_preset
 from ray_xlong.sim.timeline import plot_timelines
@@ -41,6 +46,10 @@ def run_modes(preset: Preset, *, seed: int) -> tuple[float, dict, dict]:
         t0 = time.perf_counter()
         result = simulate_preset(preset, policy, seed=seed, workload=workload)
         rows[name] = _row(result, lb, time.perf_counter() - t0)
+        if hasattr(policy, "plans"):  # planned: its simulations of candidate plans
+            walls = [plan.wall_s for plan in policy.plans]
+            rows[name].update(plans=len(walls), plan_wall_s_max=max(walls, default=0.0),
+                              plan_wall_s_total=sum(walls), final_plan=policy.current_label)
         logs[name] = result.events
     t0 = time.perf_counter()
     split, result = best_static_split(preset, workload=workload)
@@ -101,33 +110,73 @@ def sweep_variants(preset: Preset) -> list[tuple[str, str, Preset]]:
     return out
 
 
-def run_sweeps(preset: Preset, *, seed: int) -> list[dict]:
-    """Colocated / async / elastic on every sweep variant."""
+def run_sweeps(preset: Preset, *, seed: int, planned: bool = True,
+               points: list[str] | None = None) -> list[dict]:
+    """Colocated / async / elastic / forecast, the best fixed split by hindsight and the
+    planned policy on every sweep variant (``points``: only these, as ``"sweep=value"``)."""
     rows = []
     for sweep, value, p in sweep_variants(preset):
+        if points and f"{sweep}={value}" not in points:
+            continue
         w = preset_workload(p, seed=seed)
         lb = lower_bound_h(workload=w, cluster=p.cluster, costs=p.costs, config=p.job)
         policies = {"colocated": ColocatedPolicy(),
                     "async": AsyncPolicy(rollout_cells=p.async_rollout_cells),
                     "elastic": ElasticPolicy(), "forecast": forecast_policy(p)}
         hours = {n: simulate_preset(p, pol, seed=seed, workload=w).makespan_h for n, pol in policies.items()}
-        rows.append({"sweep": sweep, "value": value, "lower_bound_h": lb, **{f"{n}_h": h for n, h in hours.items()},
-                     "elastic_vs_colocated": hours["colocated"] / hours["elastic"],
-                     "elastic_vs_async": hours["async"] / hours["elastic"],
-                     "forecast_vs_elastic": hours["elastic"] / hours["forecast"]})
+        split, best = best_static_split(p, workload=w, coarse=True)
+        row = {"sweep": sweep, "value": value, "lower_bound_h": lb,
+               **{f"{n}_h": h for n, h in hours.items()},
+               "elastic_vs_colocated": hours["colocated"] / hours["elastic"],
+               "elastic_vs_async": hours["async"] / hours["elastic"],
+               "forecast_vs_elastic": hours["elastic"] / hours["forecast"],
+               "best_static_h": best.makespan_h, "best_static_rollout_cells": split}
+        if planned:
+            row.update(_planned_row(p, w, seed=seed, row=row))
+        print(json.dumps(row), flush=True)  # progress: a sweep takes minutes
+        rows.append(row)
     return rows
+
+
+def _planned_row(p: Preset, w, *, seed: int, row: dict) -> dict:
+    """``planned_h``, its ratio to the best of the baselines, and the plans' driver cost."""
+    policy = preset_planner(p)
+    h = simulate_preset(p, policy, seed=seed, workload=w).makespan_h
+    best = min(row[k] for k in ("colocated_h", "async_h", "elastic_h", "best_static_h"))
+    walls = [plan.wall_s for plan in policy.plans]
+    return {"planned_h": h, "planned_vs_best_baseline": h / best,
+            "planned_plans": len(walls), "planned_plan_wall_s_max": max(walls, default=0.0),
+            "planned_plan_wall_s_total": sum(walls),
+            "planned_final_plan": policy.current_label}
+
+
+def bounds_table(preset: Preset, *, seed: int) -> tuple[list[dict], str]:
+    """The parts of the lower bound (work, chain, staleness admission) at every sweep point:
+    which one binds (no simulation)."""
+    rows, lines = [], ["| sweep | value | work h | chain h | admission h | binds |",
+                       "|---|---|---|---|---|---|"]
+    for sweep, value, p in sweep_variants(preset):
+        w = preset_workload(p, seed=seed)
+        parts = bound_parts(workload=w, cluster=p.cluster, costs=p.costs, config=p.job)
+        rows.append({"sweep": sweep, "value": value, **{f"{k}_h": v for k, v in parts.items()}})
+        lines.append(f"| {sweep} | {value} | {parts['work']:.2f} | {parts['chain']:.2f} | "
+                     f"{parts['admission']:.2f} | {max(parts, key=parts.get)} |")
+    return rows, "\n".join(lines)
 
 
 def sweep_table(rows: list[dict]) -> str:
     """Markdown table of the sweeps."""
     lines = ["| sweep | value | lower bound h | colocated h | async h | elastic h | forecast h | "
-             "elastic × vs colocated | elastic × vs async | forecast × vs elastic |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "best_static h (split) | planned h | planned ÷ best of colocated/async/elastic/"
+             "best_static | elastic × vs colocated | forecast × vs elastic |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        planned = f"{r['planned_h']:.2f}" if "planned_h" in r else "–"
+        ratio = f"{r['planned_vs_best_baseline']:.3f}" if "planned_h" in r else "–"
         lines.append(f"| {r['sweep']} | {r['value']} | {r['lower_bound_h']:.2f} | {r['colocated_h']:.2f} | "
                      f"{r['async_h']:.2f} | {r['elastic_h']:.2f} | {r['forecast_h']:.2f} | "
-                     f"{r['elastic_vs_colocated']:.2f} | {r['elastic_vs_async']:.2f} | "
-                     f"{r['forecast_vs_elastic']:.2f} |")
+                     f"{r['best_static_h']:.2f} ({r['best_static_rollout_cells']}) | {planned} | "
+                     f"{ratio} | {r['elastic_vs_colocated']:.2f} | {r['forecast_vs_elastic']:.2f} |")
     return "\n".join(lines)
 
 
@@ -176,27 +225,44 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--plot", default=None, help="per-cell Gantt PNG of every mode")
     ap.add_argument("--steps", type=int, default=None, help="override the preset's steps (smoke runs)")
     ap.add_argument("--no-sweeps", action="store_true", help="skip the sweeps")
+    ap.add_argument("--sweeps-only", action="store_true", help="skip the mode table")
+    ap.add_argument("--points", nargs="*", default=None,
+                    help='only these sweep points, e.g. "cells=16" "staleness bound=3"')
+    ap.add_argument("--bounds", action="store_true",
+                    help="print the lower bound's parts at every sweep point and exit")
+    ap.add_argument("--no-planned", action="store_true",
+                    help="sweeps without the planned policy (it plans with the simulator)")
     ap.add_argument("--compare-seeds", type=int, nargs="*", default=None,
                     help="also run elastic vs forecast on these seeds")
     args = ap.parse_args(argv)
     preset = get_preset(args.preset)
     if args.steps is not None:
         preset = with_steps(preset, args.steps)
-    lb, rows, logs = run_modes(preset, seed=args.seed)
-    print(f"## {preset.name}, seed {args.seed}: {preset.job.total_steps} steps, "
-          f"{preset.job.total_runs} runs, lower bound {lb:.2f} h\n")
-    print(table(rows, paper=args.steps is None and preset.name == "paper-2.4t") + "\n")
     out = {"preset": preset.name, "seed": args.seed, "steps": preset.job.total_steps,
-           "lower_bound_h": lb, "paper_h": PAPER_HOURS, "modes": rows,
-           "sim_wall_s_max": max(r["sim_wall_s"] for r in rows.values())}
-    print(f"slowest single simulation: {out['sim_wall_s_max']:.2f} s\n")
+           "paper_h": PAPER_HOURS}
+    if args.bounds:
+        out["bounds"], text = bounds_table(preset, seed=args.seed)
+        print(text)
+        return out
+    logs: dict = {}
+    if not args.sweeps_only:
+        lb, rows, logs = run_modes(preset, seed=args.seed)
+        print(f"## {preset.name}, seed {args.seed}: {preset.job.total_steps} steps, "
+              f"{preset.job.total_runs} runs, lower bound {lb:.2f} h\n")
+        print(table(rows, paper=args.steps is None and preset.name == "paper-2.4t") + "\n")
+        out.update(lower_bound_h=lb, modes=rows,
+                   sim_wall_s_max=max(r["sim_wall_s"] for n, r in rows.items() if n != "planned"))
+        print(f"slowest single simulation: {out['sim_wall_s_max']:.2f} s (planned, with its "
+              f"plans: {rows['planned']['sim_wall_s']:.1f} s; {rows['planned']['plans']} plans, "
+              f"the longest {rows['planned']['plan_wall_s_max']:.2f} s)\n")
     if not args.no_sweeps:
-        out["sweeps"] = run_sweeps(preset, seed=args.seed)
+        out["sweeps"] = run_sweeps(preset, seed=args.seed, planned=not args.no_planned,
+                                   points=args.points)
         print(sweep_table(out["sweeps"]) + "\n")
     if args.compare_seeds:
         out["seed_comparison"] = compare_seeds(preset, args.compare_seeds)
         print(seed_table(out["seed_comparison"]) + "\n")
-    if args.plot:
+    if args.plot and logs:
         shown = ("colocated", "async", "elastic", "forecast", "best_static")
         plot_timelines({m: logs[m] for m in shown}, args.plot,
                        title=f"{preset.name} seed {args.seed}: per-cell roles")

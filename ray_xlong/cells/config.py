@@ -126,5 +126,8 @@ def _check_context_parallel(config: CellJobConfig) -> None:
 
 def make_policy(config: CellJobConfig) -> Policy:
     """The scheduling policy of ``config.mode`` (the registry's objects, as the simulator)."""
-    return modes.make_policy(config.mode,
-                             modes.ModeInputs(async_rollout_cells=config.async_rollout_cells))
+    from ray_xlong.sim.planner import PlanCosts, planned_policy  # the driver waits for a step
+
+    return modes.make_policy(config.mode, modes.ModeInputs(
+        async_rollout_cells=config.async_rollout_cells,
+        planner=lambda: planned_policy(costs=PlanCosts(finish_blocks=True))))

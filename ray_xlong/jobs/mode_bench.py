@@ -28,10 +28,16 @@ from typing import Callable
 
 from ray_xlong.scheduling.modes import ALL_MODES, ModeInputs, make_policy  # the one registry
 from ray_xlong.scheduling.modes import PAPER_MODES as MODES
+from ray_xlong.sim.planner import PlanCosts, planned_policy
 
-PAPER8_MODES = ("colocated", "async", "elastic", "forecast", "best_static")
+PAPER8_MODES = ("colocated", "async", "elastic", "forecast", "forecast_online", "best_static",
+                "planned")
 """The modes ``--size paper8`` runs (``best_static``: async with the split the simulator finds
-best for the calibrated workload, hindsight over every split: :func:`best_static_rollout_cells`)."""
+best for the calibrated workload, hindsight over every split: :func:`best_static_rollout_cells`;
+``forecast`` sized by the calibration, ``forecast_online`` learning the same inputs from the
+job's own events; ``planned``: ``sim.planner``)."""
+QUICK_MODES = MODES + ("planned",)
+"""The modes ``--quick`` (and the other small sizes) run by default."""
 
 KEEP_TASK_WORKERS = {"num_workers_soft_limit": 64}
 """Ray settings of the embedded Ray: keep idle task workers. With two actors a cell there are
@@ -46,14 +52,16 @@ SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, 
     "smoke": dict(cells=2, steps=2, batch=2, group=2, slots=2, async_rollout=1, task_steps=3,
                   median_s=720.0),
     "quick": dict(cells=3, steps=3, batch=3, group=2, slots=2, async_rollout=2, task_steps=4,
-                  median_s=2160.0),
+                  median_s=2160.0, cal_steps=3),
     "full": dict(cells=4, steps=6, batch=4, group=2, slots=3, async_rollout=3, task_steps=6,
                  median_s=2160.0),
     # paper-2.4t compressed (one task hour = one wall second): 8 cells, a run's tool time is
     # log-normal (median 5 h, sigma 0.8: 61% >= 4 h) over 16 steps, cut at 6 h; staleness bound
     # 7; 8 runs a step on 4 slots a cell keep the paper's ~4.3 steps of runs in flight; a
     # 4-step calibration (medians) and a step trained on every cell at once (how many logical
-    # GPUs train at full speed on the shared cores); one micro-batch per run.
+    # GPUs train at full speed on the shared cores); one micro-batch per run. ``quick``
+    # calibrates on 3 steps too (medians: a one-step calibration takes the first step's
+    # finish, which pays the learner's warm-up, as every step's blocking finish).
     "paper8": dict(cells=8, steps=16, batch=4, group=2, slots=4, async_rollout=3, task_steps=16,
                    median_s=1125.0, latency_sigma=0.0, run_sigma=0.8, timeout_x=1.2, bound=7,
                    light=True, cal_steps=4, micro_batch_tokens=1),
@@ -207,6 +215,13 @@ def mode_policy(mode: str, config, cal: dict):
 
     if mode == "forecast":
         return dataclasses.replace(config, mode="elastic"), forecast_policy(config, cal)
+    if mode == "forecast_online":
+        return dataclasses.replace(config, mode="forecast"), make_policy("forecast_online")
+    if mode == "planned":
+        costs = PlanCosts(finish_blocks=True,
+                          parallel_training_cells=cal.get("parallel_training_cells",
+                                                          float("inf")))
+        return dataclasses.replace(config, mode="planned"), planned_policy(costs=costs)
     if mode == "best_static":
         r = best_static_rollout_cells(config, cal)
         cfg = dataclasses.replace(config, mode="async", async_rollout_cells=r)
@@ -235,9 +250,16 @@ def run_modes(config, pool, modes, cal: dict, *,
     lb = _lower_bound(config, cal)
     rows, logs = {}, {}
     for mode, (cfg, policy, real) in reals.items():
-        sim = _simulate(policy, cfg, cal)
+        sim = _simulate(mode_policy(mode, config, cal)[1], cfg, cal)  # fresh: policies learn
         rows[mode] = _row(real, sim, lb, check_invariants(
             real, staleness_bound=cfg.job.staleness_bound))
+        if hasattr(policy, "plans"):
+            walls = [plan.wall_s for plan in policy.plans]
+            rows[mode]["plans"] = [{"time_s": plan.time, "version": plan.version,
+                                    "chosen": plan.chosen, "wall_s": plan.wall_s}
+                                   for plan in policy.plans]
+            rows[mode]["plan_wall_s_total"] = sum(walls)
+            rows[mode]["plan_wall_s_max"] = max(walls, default=0.0)
         if mode == "best_static":
             rows[mode]["split"] = {"rollout_cells": cfg.async_rollout_cells,
                                    "training_cells": cfg.layout.cells - cfg.async_rollout_cells}

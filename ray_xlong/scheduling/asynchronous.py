@@ -4,6 +4,10 @@ Cells ``0 .. rollout_cells-1`` only ever roll out; the others move to training a
 stay there. Rollout cells pick up new weights between requests (no role change), so the only
 brake on rollout is the staleness admission. A step starts when a full batch is takeable, or
 with ``streaming=True`` as soon as one group is (the step then takes groups as they end).
+
+Taking over mid-job (``sim.planner`` switches plans): a rollout-pool cell found training syncs
+back, a draining one trains once empty and then syncs back; a training-pool cell still rolling
+out joins the pool when its runs have ended. From a fresh start none of this arises.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ray_xlong.scheduling.events import Event
-from ray_xlong.scheduling.moves import Move, Reserve
+from ray_xlong.scheduling.moves import Move, Reserve, Sync
 from ray_xlong.scheduling.policy import fill_runs, spread, step_wanted, train_on
 from ray_xlong.scheduling.state import ClusterState, Role
 
@@ -40,11 +44,14 @@ class AsyncPolicy:
             )
         if state.done:
             return ()
-        moves: list[Move] = fill_runs(state, spread(state.cells[: self.rollout_cells]))
+        head, tail = state.cells[: self.rollout_cells], state.cells[self.rollout_cells:]
+        moves: list[Move] = fill_runs(state, spread(head))
+        moves += [Sync(c.cell, state.version) for c in head if c.idle_trainer]
         pool = [
-            c for c in state.cells[self.rollout_cells:]
-            if c.idle_trainer or (c.role is Role.ROLLOUT and not c.live_runs)
+            c for c in tail
+            if c.idle_trainer or (c.role in (Role.ROLLOUT, Role.DRAINING) and not c.live_runs)
         ]
+        pool += [c for c in head if c.role is Role.DRAINING and not c.live_runs]
         if state.step >= 0 or step_wanted(state, streaming=self.streaming):
             return tuple(moves + train_on(state, pool))
-        return tuple(moves + [Reserve(c.cell) for c in pool if c.role is Role.ROLLOUT])
+        return tuple(moves + [Reserve(c.cell) for c in pool if c.role is not Role.TRAINING])

@@ -6,7 +6,8 @@ another and sync back to rollout together. With ``streaming=True`` (the ablation
 has emptied while others still roll out starts training the ready groups at once and later
 cells join the step in progress; the cluster still returns to rollout as one.
 
-The decision depends only on the snapshot: the round is in rollout while no cell trains.
+The decision depends only on the snapshot: the round is in rollout while no cell trains (or,
+taking over mid-job from another plan, while rollout cells still serve runs: ``_take_over``).
 """
 
 from __future__ import annotations
@@ -44,11 +45,28 @@ class ColocatedPolicy:
         return tuple(moves + self._train(state))
 
     def _train(self, state: ClusterState) -> list[Move]:
+        trainers = [c for c in state.with_role(Role.TRAINING) if c.step < 0]
+        taken_over = self._take_over(state, trainers)
+        if taken_over is not None:
+            return taken_over
         moves: list[Move] = [Drain(c.cell) for c in state.with_role(Role.ROLLOUT) if c.live_runs]
         empty = [c for c in state.with_role(Role.ROLLOUT, Role.DRAINING) if not c.live_runs]
-        trainers = [c for c in state.with_role(Role.TRAINING) if c.step < 0]
         if state.step >= 0 or step_wanted(state, streaming=self.streaming):
             return moves + train_on(state, trainers + empty)
-        if len(trainers) == len(state.cells) and not state.ready_groups:
-            return [Sync(c.cell, state.version) for c in trainers]
+        if len(trainers) == len(state.cells):  # the round is trained (groups left over
+            return [Sync(c.cell, state.version) for c in trainers]  # from another plan wait)
         return moves + [Reserve(c.cell) for c in empty]
+
+    def _take_over(self, state: ClusterState, trainers: list) -> list[Move] | None:
+        """Taking over mid-job from another plan (``sim.planner``): rollout cells still serve
+        runs while others train (a state colocated itself never makes: it drains every
+        rollout cell at once). The round stays in rollout: the trainers already there train
+        the steps that are wanted, then sync back. None: not this case."""
+        serving = [c for c in state.with_role(Role.ROLLOUT) if c.live_runs]
+        if not serving or state.with_role(Role.DRAINING):
+            return None
+        if state.step >= 0 or (trainers and step_wanted(state, streaming=self.streaming)):
+            return train_on(state, trainers)  # the backlog trains on the cells already there
+        if trainers:
+            return [Sync(c.cell, state.version) for c in trainers]
+        return None

@@ -40,7 +40,7 @@ KINDS = (
     "step_joined",  # `cell` joined step `step` in progress
     "step_starved",  # step `step` consumed all ready work and waits for groups
     "step_ended",  # step `step` applied: policy version is now `step + 1`
-    "micro_batch",  # `cell` finished one micro-batch of step `step` (Ray driver only)
+    "micro_batch",  # `cell` finished a micro-batch of step `step` (simulator: its last one)
     "finish",  # every step trained; no cell
     "cell_lost",  # an actor of `cell` died (`role` says which: "runner", "learner", "node")
     "cell_retired",  # `cell` left the job (its node is gone); its live runs restart elsewhere

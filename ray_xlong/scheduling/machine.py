@@ -61,6 +61,7 @@ class CellMachine:
         self.retired: set[int] = set()
         self.restart: collections.deque[int] = collections.deque()  # orphaned runs, FIFO
         self.log: list[Event] = [Event(0.0, "start")]
+        self.observed = 0  # events a learning policy has been shown (settle)
 
     # -- moves -----------------------------------------------------------------------------
     def apply(self, move: Move, now: float) -> list[int]:
@@ -262,7 +263,9 @@ class CellMachine:
                max_rounds: int) -> None:
         """Decide → apply → act until ``policy`` has no more moves at this instant.
 
-        Each round: ``policy.decide(snapshot, last event)``; every move is validated and
+        Each round: a policy with an ``observe(events)`` method is first shown the events
+        logged since its last look (learning policies: ``scheduling.online``,
+        ``sim.planner``); then ``policy.decide(snapshot, last event)``; every move is validated and
         applied here, then ``apply(move, runs started, the cell was training)`` acts on it
         (a clock's delays, or Ray actors); ``after_round()`` (the caller's training) runs once
         per round.
@@ -270,8 +273,13 @@ class CellMachine:
         Raises:
             RuntimeError: still moving after ``max_rounds`` rounds (a policy that never settles).
         """
+        observe = getattr(policy, "observe", None)
         for _ in range(max_rounds):
             now = clock()
+            if observe is not None:  # a learning policy sees every event once, in order
+                seen = getattr(self, "observed", 0)
+                observe(self.log[seen:])
+                self.observed = len(self.log)
             moves = policy.decide(self.snapshot(now), self.log[-1])
             if not moves:
                 return

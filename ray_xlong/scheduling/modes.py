@@ -8,13 +8,20 @@ their mode names and policies from here::
     elastic                ElasticPolicy()                     independent switches, streaming
     colocated+streaming    the streaming ablations of colocated / async
     async+streaming
-    forecast               ForecastPolicy(per_h, horizon_h)    ours: needs the throughput and
-                                                               run-timeout inputs
+    forecast               ForecastPolicy(per_h, horizon_h)    ours; given no inputs (a real
+                           or OnlineForecastPolicy()           job): learned from the job's
+                                                               events, elastic until a step ended
+    forecast_online        OnlineForecastPolicy()              the learned one by name (benchmarks)
+    planned                PlannedPolicy()                     simulates candidate plans over the
+                                                               remaining work, follows the best
+                                                               (needs the simulator: ``planner``)
     best_static            AsyncPolicy(rollout_cells=r)        async with the split a simulator
                                                                found best (hindsight input r)
 
-``CELL_MODES`` are the modes a job can name without forecast inputs (what ``CellJobConfig`` and
-``XLongConfig.xlong(mode=...)`` accept).
+``CELL_MODES`` are the modes a job can name (what ``CellJobConfig``,
+``XLongConfig.xlong(mode=...)``, ``ray_xlong.enable`` and ``ray-xlong train --mode`` accept):
+``forecast`` there learns its inputs online, ``planned`` gets the simulator from
+``cells.config.make_policy``.
 """
 
 from __future__ import annotations
@@ -26,15 +33,16 @@ from ray_xlong.scheduling.asynchronous import AsyncPolicy
 from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
 from ray_xlong.scheduling.forecast import ForecastPolicy
+from ray_xlong.scheduling.online import OnlineForecastPolicy
 from ray_xlong.scheduling.policy import Policy
 
 PAPER_MODES = ("colocated", "async", "elastic")
 """The paper's three systems."""
 ABLATION_MODES = ("async+streaming", "colocated+streaming")
 """Streaming-only ablations of the baselines."""
-CELL_MODES = PAPER_MODES + ("colocated+streaming", "async+streaming")
-"""Modes that need no forecast inputs (what a job config may name)."""
-ALL_MODES = CELL_MODES + ("forecast", "best_static")
+CELL_MODES = PAPER_MODES + ("colocated+streaming", "async+streaming", "forecast", "planned")
+"""Modes a job config may name (no input a job cannot learn by itself)."""
+ALL_MODES = CELL_MODES + ("forecast_online", "best_static")
 """Every registered mode."""
 
 
@@ -51,14 +59,26 @@ class ModeInputs:
     best_static_rollout_cells: int | None = None
     """``best_static``: the rollout pool of the best fixed split (found by simulating every
     split of the workload with hindsight: ``sim.modes.best_static_split``)."""
+    planner: Callable[[], Policy] | None = None
+    """``planned``: builds the planned policy (``ray_xlong.sim.planner.planned_policy``; the
+    pure scheduling layer does not import the simulator)."""
 
 
 def _forecast(i: ModeInputs) -> Policy:
+    if i.train_groups_per_cell_h is None and i.horizon_h is None:
+        return OnlineForecastPolicy(name="forecast")  # a real job: inputs learned online
     if i.train_groups_per_cell_h is None or i.horizon_h is None:
-        raise ValueError("ModeInputs: mode 'forecast' needs train_groups_per_cell_h and "
-                         "horizon_h")
+        raise ValueError("ModeInputs: mode 'forecast' needs both train_groups_per_cell_h and "
+                         "horizon_h (or neither: learned online)")
     return ForecastPolicy(train_groups_per_cell_h=i.train_groups_per_cell_h,
                           horizon_h=i.horizon_h)
+
+
+def _planned(i: ModeInputs) -> Policy:
+    if i.planner is None:
+        raise ValueError("ModeInputs.planner: mode 'planned' plans with the simulator; pass "
+                         "ray_xlong.sim.planner.planned_policy (cells.config.make_policy does)")
+    return i.planner()
 
 
 def _best_static(i: ModeInputs) -> Policy:
@@ -76,6 +96,8 @@ MODES: dict[str, Callable[[ModeInputs], Policy]] = {
     "async+streaming": lambda i: AsyncPolicy(rollout_cells=i.async_rollout_cells,
                                              streaming=True, name="async+streaming"),
     "forecast": _forecast,
+    "forecast_online": lambda i: OnlineForecastPolicy(),
+    "planned": _planned,
     "best_static": _best_static,
 }
 """Mode name → policy factory."""

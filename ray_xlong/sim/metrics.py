@@ -1,6 +1,6 @@
 """Makespan lower bound and summary metrics of a simulation (DESIGN.md, performance model).
 
-Lower bound = max(work bound, chain bound):
+Lower bound = max(work bound, chain bound, admission bound):
 
 * work: (Σ run duration ÷ slots per cell  +  Σ trained tokens ÷ tokens per cell-hour
   + steps × fixed step cost) ÷ cells. The fixed cost occupies at least one cell per step; it
@@ -8,7 +8,13 @@ Lower bound = max(work bound, chain bound):
   cell-time, not wall time;
 * chain: the longest run, then the training of that run's group (at best on every cell), then
   one fixed step cost (the step holding that group cannot end earlier); and the fixed costs of
-  all steps, which are applied one by one after the first group ended.
+  all steps, which are applied one by one after the first group ended;
+* admission (the staleness bound): while the version is ``v`` at most ``(v + b + 1) × B``
+  groups may have started and ``v × B`` are trained, so at most ``(b + 1) × B`` groups have a
+  live run at any time; each has one for at least its longest run. So
+  Σ_groups longest run ≤ (b + 1) × B × makespan, whatever the cluster size. It binds on big
+  clusters and tight bounds (paper-2.4t seed 0: 35.95 h at b = 7, above the work bound of
+  32.42 h at 16 cells and 16.21 h at 32), where adding cells cannot help.
 
 No schedule can beat either, so every mode's makespan is >= the bound (a property test).
 
@@ -30,6 +36,13 @@ from ray_xlong.sim.workload import Workload
 def lower_bound_h(*, workload: Workload, cluster: ClusterConfig, costs: CostConfig,
                   config: SchedulingConfig) -> float:
     """Makespan no schedule can beat (see the module docstring), hours."""
+    return max(bound_parts(workload=workload, cluster=cluster, costs=costs,
+                           config=config).values())
+
+
+def bound_parts(*, workload: Workload, cluster: ClusterConfig, costs: CostConfig,
+                config: SchedulingConfig) -> dict[str, float]:
+    """The parts of :func:`lower_bound_h`: ``work``, ``chain`` and ``admission`` (hours)."""
     rollout = sum(workload.durations_h) / cluster.slots_per_cell
     training = sum(workload.tokens) / costs.train_tokens_per_cell_h
     fixed = config.total_steps * costs.step_fixed_h
@@ -40,7 +53,9 @@ def lower_bound_h(*, workload: Workload, cluster: ClusterConfig, costs: CostConf
     per_h = costs.train_tokens_per_cell_h * cluster.cells
     chain_last = ends[last] + workload.group_tokens(last) / per_h
     chain_steps = min(ends) + fixed
-    return max(work, chain_last + costs.step_fixed_h, chain_steps)
+    in_flight = (config.staleness_bound + 1) * config.batch_groups
+    return {"work": work, "chain": max(chain_last + costs.step_fixed_h, chain_steps),
+            "admission": sum(ends) / in_flight}
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,10 @@ Modes (policy objects from ``ray_xlong.scheduling``, unchanged):
   cells sized by the work certain to arrive within the run timeout, drained ahead of need,
   newest-run-oldest first. Kept because it wins on every seed tried (paper-2.4t, seeds 0-4:
   68.9-69.5 h vs elastic's 79.8-83.1 h; ``benchmarks/scheduler_sim.py --compare-seeds``);
+* ``forecast_online`` — forecast with its inputs learned from the job's own events
+  (``scheduling/online.py``; elastic until a step ended);
+* ``planned`` — simulates candidate plans over the remaining work and follows the best
+  (``sim/planner.py``);
 * ``async+streaming`` / ``colocated+streaming`` — the streaming-only ablation;
 * ``best_static`` — async with the split (rollout / training cells) that the simulator finds
   best for the very workload it is then compared on: chosen with hindsight over every split
@@ -22,6 +26,7 @@ import dataclasses
 
 from ray_xlong.scheduling.modes import ABLATION_MODES, PAPER_MODES, ModeInputs, make_policy
 from ray_xlong.scheduling.policy import Policy
+from ray_xlong.sim.planner import PlanCosts, planned_policy
 from ray_xlong.sim.presets import Preset
 from ray_xlong.sim.simulator import SimResult, simulate
 from ray_xlong.sim.workload import Workload, sample_workload
@@ -44,27 +49,49 @@ def forecast_policy(preset: Preset) -> Policy:
 
 
 def make_policies(preset: Preset) -> dict[str, Policy]:
-    """Every benchmarked mode for ``preset``, by name (``scheduling.modes``: the registry)."""
-    inputs = forecast_inputs(preset)
+    """Every benchmarked mode for ``preset``, by name (``scheduling.modes``: the registry);
+    ``forecast_online`` and ``planned`` learn from the simulated job's own events (new
+    objects: simulate each once)."""
+    inputs = dataclasses.replace(forecast_inputs(preset), planner=lambda: preset_planner(preset))
     return {mode: make_policy(mode, inputs) for mode in PAPER_MODES + ("forecast",)
-            + ABLATION_MODES}
+            + ABLATION_MODES + ("forecast_online", "planned")}
 
 
-def best_static_split(preset: Preset, *, workload: Workload) -> tuple[int, SimResult]:
+def preset_planner(preset: Preset) -> Policy:
+    """The planned policy for ``preset`` (``sim.planner``); what it cannot see in the events,
+    the blocking step finish and the training parallelism, comes from the preset."""
+    costs = PlanCosts(finish_blocks=preset.costs.finish_blocks,
+                      parallel_training_cells=preset.costs.parallel_training_cells)
+    return planned_policy(costs=costs)
+
+
+def best_static_split(preset: Preset, *, workload: Workload,
+                      coarse: bool = False) -> tuple[int, SimResult]:
     """The async split with the shortest makespan on ``workload`` (hindsight over 1..cells-1
-    rollout cells; ties: fewer rollout cells).
+    rollout cells; ties: fewer rollout cells). ``coarse`` (more than 9 cells): every 4th split,
+    then every split within 3 of the best of those (the makespan falls, then rises, with the
+    rollout pool: rollout-bound, then training-bound).
 
     Returns:
         ``(rollout_cells, its SimResult)`` (the result's mode is ``best_static``).
     """
-    best: tuple[int, SimResult] | None = None
-    for r in range(1, preset.cluster.cells):
-        policy = make_policy("best_static", ModeInputs(best_static_rollout_cells=r))
-        result = simulate_preset(preset, policy, seed=0, workload=workload)
-        if best is None or result.makespan_h < best[1].makespan_h:
-            best = (r, result)
-    assert best is not None  # ClusterConfig.cells >= 2 here: AsyncPolicy needs a training cell
-    return best
+    cells = preset.cluster.cells
+    results: dict[int, SimResult] = {}
+
+    def run(r: int) -> None:
+        if 1 <= r < cells and r not in results:
+            policy = make_policy("best_static", ModeInputs(best_static_rollout_cells=r))
+            results[r] = simulate_preset(preset, policy, seed=0, workload=workload)
+
+    stride = 1 if cells <= 9 or not coarse else 4
+    for r in range(1, cells, stride):
+        run(r)
+    if stride > 1:  # refine around the best of the coarse grid
+        top = min(results, key=lambda r: (results[r].makespan_h, r))
+        for r in range(top - stride + 1, top + stride):
+            run(r)
+    r = min(results, key=lambda r: (results[r].makespan_h, r))
+    return r, results[r]
 
 
 def with_steps(preset: Preset, steps: int) -> Preset:

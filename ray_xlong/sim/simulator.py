@@ -8,7 +8,8 @@ heap of (time, seq, what) ──pop──► report to CellMachine ──► pol
 
 Training is a fluid: the step in progress holds the cell-hours of the groups it took; the
 cells on it (after their switch) work it down at one cell-hour per hour each; when all taken
-work is done and the step holds B groups, the fixed per-step cost follows and the step ends.
+work is done and the step holds B groups, each cell on it logs its last ``micro_batch``, the
+fixed per-step cost follows and the step ends.
 With ``CostConfig.finish_blocks`` that fixed cost blocks the actuator, as it blocks the Ray
 driver: events falling inside it are handled when it ends (runs that ended meanwhile free
 their slots, and new runs start, only then).
@@ -150,6 +151,9 @@ class _Sim:
         self.gen += 1
         if self.work_left <= EPS:
             if m.step_groups == m.config.batch_groups:
+                for c, s in enumerate(m.step_of):  # every cell on the step ends its last one
+                    if s >= 0 and m.ready_at[c] <= self.now + EPS:
+                        m.micro_batch_done(c, self.now)
                 self.finishing = True
                 self.push(self.now + self.costs.step_fixed_h, "step_end")
                 if self.costs.finish_blocks:

@@ -31,3 +31,23 @@ def test_scheduler_sim_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| mode | makespan h |" in printed and "forecast wins" in printed
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.benchmark
+def test_scheduler_sim_sweep_rows_carry_best_static_and_planned(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("scheduler_sim", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out_json = tmp_path / "sweeps.json"
+    mod.main(["--preset", "paper-2.4t-shift", "--seed", "0", "--steps", "2", "--sweeps-only",
+              "--points", "cells=4", "staleness bound=1", "--json", str(out_json)])
+    rows = json.loads(out_json.read_text())["sweeps"]
+    assert [(r["sweep"], r["value"]) for r in rows] == [("cells", "4"), ("staleness bound", "1")]
+    for r in rows:
+        best = min(r[k] for k in ("colocated_h", "async_h", "elastic_h", "best_static_h"))
+        assert r["best_static_h"] <= r["async_h"] and 1 <= r["best_static_rollout_cells"]
+        assert r["planned_vs_best_baseline"] == pytest.approx(r["planned_h"] / best)
+        assert r["planned_plans"] >= 1 and r["planned_plan_wall_s_max"] > 0
+    assert "| planned h |" in capsys.readouterr().out
+    mod.main(["--preset", "paper-2.4t", "--bounds"])
+    assert "| cells | 32 |" in capsys.readouterr().out

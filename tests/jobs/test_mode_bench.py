@@ -26,7 +26,8 @@ def test_paper8_is_the_paper_shape_compressed_to_seconds():
     assert np.median(tool) == pytest.approx(5.0, rel=0.15)
     assert np.std(np.log(tool)) == pytest.approx(0.8, abs=0.1)
     assert np.mean(tool >= 4.0) == pytest.approx(0.61, abs=0.07)
-    assert set(PAPER8_MODES) == {"colocated", "async", "elastic", "forecast", "best_static"}
+    assert set(PAPER8_MODES) == {"colocated", "async", "elastic", "forecast", "forecast_online",
+                                 "best_static", "planned"}
 
 
 def test_best_static_is_the_best_async_split_in_the_simulator():
@@ -59,3 +60,17 @@ def test_the_embedded_ray_keeps_idle_task_workers():
     from ray_xlong.jobs.mode_bench import KEEP_TASK_WORKERS
 
     assert KEEP_TASK_WORKERS["num_workers_soft_limit"] > 2 * SIZES["paper8"]["cells"]
+
+
+def test_the_learning_modes_get_a_fresh_policy_each_and_a_job_mode_that_names_them():
+    from ray_xlong.scheduling.online import OnlineForecastPolicy
+    from ray_xlong.sim.planner import PlannedPolicy
+
+    config = build_config(SIZES["paper8"], model_dir="/unused", seed=0)
+    cal = dict(CAL, parallel_training_cells=2.5)
+    cfg, online = mode_policy("forecast_online", config, cal)
+    assert cfg.mode == "forecast" and isinstance(online, OnlineForecastPolicy)
+    cfg, planned = mode_policy("planned", config, cal)
+    assert cfg.mode == "planned" and isinstance(planned, PlannedPolicy)
+    assert planned.costs.finish_blocks and planned.costs.parallel_training_cells == 2.5
+    assert mode_policy("planned", config, cal)[1] is not planned   # Ray and sim: one each

@@ -17,11 +17,12 @@ from ray_xlong.scheduling.asynchronous import AsyncPolicy
 from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
 from ray_xlong.scheduling.forecast import ForecastPolicy
+from ray_xlong.scheduling.online import OnlineForecastPolicy
 from ray_xlong.scheduling.state import SchedulingConfig
 from ray_xlong.sim.cluster import ClusterConfig, CostConfig
-from ray_xlong.sim.metrics import lower_bound_h
+from ray_xlong.sim.metrics import bound_parts, lower_bound_h
 from ray_xlong.sim.simulator import simulate
-from ray_xlong.sim.workload import WorkloadConfig, sample_workload
+from ray_xlong.sim.workload import Workload, WorkloadConfig, sample_workload
 
 MODES = {
     "colocated": lambda cells: ColocatedPolicy(),
@@ -33,6 +34,7 @@ MODES = {
     # any estimates must keep the invariants: eager (big targets) and lazy (small targets)
     "forecast-eager": lambda cells: ForecastPolicy(train_groups_per_cell_h=0.1, horizon_h=1.0),
     "forecast-lazy": lambda cells: ForecastPolicy(train_groups_per_cell_h=10.0, horizon_h=6.0),
+    "forecast-online": lambda cells: OnlineForecastPolicy(),
 }
 
 
@@ -252,3 +254,17 @@ def test_a_blocking_step_finish_delays_what_happens_during_it(blocks, seen_at, m
                  config=job)
     assert [e.time for e in r.events if e.kind == "run_ended" and e.run == 1] == [seen_at]
     assert r.makespan_h == pytest.approx(makespan)
+
+
+def test_lower_bound_holds_the_staleness_admission_limit():
+    # bound 0, 1 group a step: one group in flight at a time, so the runs' group maxima add up
+    # however many cells there are (the work bound alone would shrink with cells)
+    job = SchedulingConfig(total_steps=3, batch_groups=1, runs_per_group=2, staleness_bound=0)
+    w = Workload((1.0, 2.0, 3.0, 1.0, 0.5, 0.5), (1.0,) * 6, 2)
+    costs = CostConfig(train_tokens_per_cell_h=1e6, step_fixed_h=0.0, to_train_h=0.0, sync_h=0.0)
+    cluster = ClusterConfig(cells=16, nodes_per_cell=1, gpus_per_node=1, slots_per_cell=8)
+    parts = bound_parts(workload=w, cluster=cluster, costs=costs, config=job)
+    assert parts["admission"] == pytest.approx(2.0 + 3.0 + 0.5)
+    result = simulate(ElasticPolicy(), workload=w, cluster=cluster, costs=costs, config=job)
+    assert result.makespan_h >= lower_bound_h(workload=w, cluster=cluster, costs=costs,
+                                              config=job) == pytest.approx(5.5)
