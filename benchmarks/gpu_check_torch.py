@@ -22,7 +22,6 @@ stage; every measured difference is in the JSON.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import socket
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ray_xlong.models import TinyModelConfig, build_tiny_model_dir, tiny_causal_lm
-from ray_xlong.trajectory import LossConfig, ProcessorConfig, TrajectoryProcessor
+from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor
 from ray_xlong.trajectory.model import token_logprobs, tree_block_mask, tree_mask_bool
 from ray_xlong.trajectory.packing import PackedBatch, micro_batches
 from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_runs
@@ -48,30 +47,6 @@ HALF_B = TinyModelConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_
                          num_kv_heads=2, intermediate_size=4864, max_position_embeddings=32768)
 """Qwen2.5-0.5B's shape (untied head: ~0.63 B parameters), random weights."""
 TINY = TinyModelConfig()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RankSettings:
-    """The ``LearnerSettings`` fields a ``LearnerRank`` reads (``cells.config`` imports Ray;
-    a test checks these names and defaults against it)."""
-
-    model_dir: str
-    """Model directory."""
-    lr: float = 1e-4
-    """Adam learning rate."""
-    loss: LossConfig = LossConfig()
-    """Token loss form."""
-    dtype: str = "float32"
-    """Training dtype (a torch dtype name)."""
-    grad_clip: float | None = None
-    """Global-norm clip (None: none)."""
-    attn_implementation: str | None = None
-    """None: ``xlong_tree``."""
-
-    @property
-    def model_attention(self) -> str:
-        """As ``LearnerSettings.model_attention``."""
-        return self.attn_implementation or "xlong_tree"
 
 
 def runs(seed: int, vocab: int, groups: int = 1):
@@ -249,12 +224,13 @@ def micro(seed: int) -> dict[str, torch.Tensor]:
 def learner_rank(device: str, path: str, *, rank: int = 0, world: int = 1, port: int,
                  mixed_precision: str | None) -> Any:
     """A set-up ``LearnerRank`` (its process group joined at ``port``)."""
+    from ray_xlong.cells.learner_settings import LearnerSettings  # Ray-free
     from ray_xlong.cells.sharded import LearnerRank
     from ray_xlong.cells.sharding import ShardingSettings
 
     sharding = ShardingSettings(ranks_per_cell=world, device=device,
                                 mixed_precision=mixed_precision)
-    lr = LearnerRank(settings=RankSettings(model_dir=path, lr=1e-3), sharding=sharding,
+    lr = LearnerRank(settings=LearnerSettings(model_dir=path, lr=1e-3), sharding=sharding,
                      rank=rank, world_size=world)
     lr.setup("127.0.0.1", port)
     return lr

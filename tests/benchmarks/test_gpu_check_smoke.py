@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -96,19 +97,16 @@ def torch_version() -> str:
     return torch.__version__
 
 
-def test_torch_only_rank_settings_match_learner_settings():
-    """``gpu_check_torch.RankSettings`` (Ray-free) carries LearnerSettings' names, defaults and
-    ``model_attention``: the torch-only LearnerRank trains what a cell's would."""
-    import dataclasses
+def test_the_learner_rank_settings_import_no_ray():
+    """The torch-only stages give ``LearnerRank`` the product's own ``LearnerSettings``
+    (``cells/learner_settings.py``): importing it and the rank loads neither Ray nor vLLM."""
+    code = ("import sys\n"
+            "from ray_xlong.cells.learner_settings import LearnerSettings\n"
+            "from ray_xlong.cells.sharded import LearnerRank\n"
+            "LearnerSettings('m', context_parallel=1)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'vllm')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=SCRIPT.parents[1], timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    from gpu_check_torch import RankSettings
-
-    from ray_xlong.cells.config import LearnerSettings
-
-    theirs = {f.name: f.default for f in dataclasses.fields(LearnerSettings)}
-    for f in dataclasses.fields(RankSettings):
-        assert f.name in theirs and f.default == theirs[f.name], f.name
-    for attn in (None, "sdpa"):
-        assert RankSettings("m", attn_implementation=attn).model_attention == \
-            LearnerSettings("m", attn_implementation=attn).model_attention
