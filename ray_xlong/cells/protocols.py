@@ -211,9 +211,17 @@ def members(protocol: type) -> list[str]:
     return names + [n for n in vars(protocol).get("__annotations__", {}) if n not in names]
 
 
+RAY_TRACE_PARAMETER = "_ray_trace_ctx"
+"""The keyword Ray adds to the signature of every method of a class made an actor
+(``ray.remote(cls)`` sets ``__signature__`` on the class's own functions, tracing on or off):
+not part of any contract."""
+
+
 def _unbound(fn: Any) -> inspect.Signature:
     sig = inspect.signature(fn)
-    return sig.replace(parameters=list(sig.parameters.values())[1:])     # without self
+    params = [p for p in list(sig.parameters.values())[1:]               # without self
+              if p.name != RAY_TRACE_PARAMETER]
+    return sig.replace(parameters=params)
 
 
 def _shape(fn: Any) -> list[tuple[str, Any]]:
