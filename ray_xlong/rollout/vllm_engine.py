@@ -34,8 +34,8 @@ second vLLM in the same process would not fit). Weights that arrive while it sle
 (host memory) and loaded at wake-up between ``wake_up(tags=["weights"])`` and ``wake_up()``
 (the KV cache). A level-2 engine has no weights of its own left: waking it without new ones
 is refused (it would serve whatever the reallocated memory holds). On CUDA nothing of a loaded
-update is kept. On CPU (vLLM rejects sleep mode there) the engine is shut down and rebuilt at
-wake-up with the latest weights, which it keeps for that (host memory). The CUDA column is
+update is kept. On CPU (vLLM has no sleep mode there, and a cell has no device memory to hand
+over) the engine stays up while it sleeps: weights that arrive meanwhile load at wake-up. The CUDA column is
 unverified here (``docs/gpu-first-run.md``).
 
 Import this module only where vLLM is installed; caches go to ``VLLM_CACHE_ROOT``.
@@ -44,7 +44,6 @@ Import this module only where vLLM is installed; caches go to ``VLLM_CACHE_ROOT`
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import pathlib
 from typing import Any, Mapping, Sequence
@@ -284,15 +283,14 @@ class VLLMEngine(BatchingEngine):
             except Exception as exc:  # noqa: BLE001 - re-raised by sleep()
                 self._sleep_error = exc
             return
-        self._weights_pending = False
-        self.llm = None                                # CPU: shut down, rebuilt at wake-up
-        gc.collect()
+        # CPU: vLLM has no sleep mode and there is no device memory to hand to the Learner: the
+        # engine stays up (a shutdown and rebuild cost ~4 s a role switch on the tiny model)
 
     def _restore(self) -> None:
-        if not self._sleep_mode:
-            self._build()
-            if self._latest is not None:
+        if not self._sleep_mode:                       # CPU: up all along (``_release``)
+            if self._weights_pending and self._latest is not None:
                 self._load_weights(self._latest)
+            self._weights_pending = False
             return
         pending = self._weights_pending and self._latest is not None
         if self.sleep_level == 2 and not pending:
