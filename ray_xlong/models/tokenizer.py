@@ -73,7 +73,6 @@ def build_tokenizer(*, vocab_size: int = 512, extra_texts: Sequence[str] = (),
         A ``transformers.PreTrainedTokenizerFast`` (``token``: bos ``<|bos|>``, eos
         ``<|eos|>``, pad ``<|pad|>``).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     from ray_xlong.models.templates import STYLES
@@ -84,20 +83,7 @@ def build_tokenizer(*, vocab_size: int = 512, extra_texts: Sequence[str] = (),
     spec = STYLES.get(style)
     specials = SPECIAL_TOKENS if spec is None else spec["specials"]
     corpus = list(_CORPUS) + ([] if spec is None else list(_TEMPLATE_CORPUS))
-    floor = 256 + len(specials)
-    if not is_int(vocab_size) or vocab_size < floor:
-        raise ValueError(f"build_tokenizer: vocab_size must be an int >= {floor}, "
-                         f"got {vocab_size!r}")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False, min_frequency=1)
-    tok.train_from_iterator(corpus + list(extra_texts), trainer=trainer)
-    for i, special in enumerate(specials):
-        if tok.token_to_id(special) != i:
-            raise RuntimeError(f"special token {special!r} got id {tok.token_to_id(special)}")
+    tok = _train_bpe("build_tokenizer", corpus + list(extra_texts), specials, vocab_size)
     if spec is None:
         return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>",
                                        eos_token="<|eos|>", pad_token="<|pad|>")
@@ -121,16 +107,29 @@ def build_template_tokenizer(template: str, specials: Sequence[str], *, eos: str
         vocab_size: target vocabulary size (``>= 256 + len(specials)``).
         extra_texts: more training text.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     for name, token in (("eos", eos), ("bos", bos), ("pad", pad)):
         if token is not None and token not in specials:
             raise ValueError(f"build_template_tokenizer: {name} {token!r} is not one of "
                              f"specials")
+    tok = _train_bpe("build_template_tokenizer", [template, *_TEMPLATE_CORPUS, *extra_texts],
+                     specials, vocab_size)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
+                                  pad_token=pad)
+    out.chat_template = template
+    return out
+
+
+def _train_bpe(caller: str, texts: Sequence[str], specials: Sequence[str], vocab_size: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts`` with ``specials`` at ids
+    ``0..len(specials)-1`` in order (checked); ``vocab_size`` must leave room for the 256 byte
+    tokens (errors name ``caller``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     floor = 256 + len(specials)
     if not is_int(vocab_size) or vocab_size < floor:
-        raise ValueError(f"build_template_tokenizer: vocab_size must be an int >= {floor}, "
+        raise ValueError(f"{caller}: vocab_size must be an int >= {floor}, "
                          f"got {vocab_size!r}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -138,8 +137,8 @@ def build_template_tokenizer(template: str, specials: Sequence[str], *, eos: str
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False, min_frequency=1)
-    tok.train_from_iterator([template, *_TEMPLATE_CORPUS, *extra_texts], trainer=trainer)
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos,
-                                  pad_token=pad)
-    out.chat_template = template
-    return out
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    for i, special in enumerate(specials):
+        if tok.token_to_id(special) != i:
+            raise RuntimeError(f"special token {special!r} got id {tok.token_to_id(special)}")
+    return tok
