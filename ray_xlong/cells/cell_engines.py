@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from ray_xlong.cells.engine_actors import start_engine_actors
+from ray_xlong.cells.engine_actors import EngineActors, start_engine_actors
 from ray_xlong.cells.engines import EngineLayout, EngineLayoutError, EngineSet
 
 
@@ -34,6 +34,13 @@ class CellEngines:
     def resolve(self, device: str) -> CellEngines:
         """This factory with its layout's placement decided (:meth:`EngineLayout.resolve`)."""
         return dataclasses.replace(self, layout=self.layout.resolve(device))
+
+
+def hosting(engine: Any) -> EngineSet | EngineActors:
+    """``engine`` as an ``EngineHosting`` (``cells.protocols``): a :class:`CellEngines`'s
+    ``EngineSet`` / ``EngineActors`` as it is, a single engine as a one-engine ``EngineSet`` — so
+    a runner holds one kind of thing, whatever its factory built."""
+    return engine if isinstance(engine, (EngineSet, EngineActors)) else EngineSet([engine])
 
 
 def engine_set_factory(layout: EngineLayout, make: Callable[[int, int], Any]) -> CellEngines:

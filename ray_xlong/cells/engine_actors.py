@@ -68,6 +68,8 @@ class EngineActorInfo:
     """Its ``CUDA_VISIBLE_DEVICES`` (set by Ray from ``gpu_ids``)."""
     pid: int
     """Its process id (each engine lives in its own process)."""
+    vocab_size: int = 0
+    """Its engine's vocabulary size (ids it accepts: ``[0, vocab_size)``)."""
 
 
 def engine_bundles(layout: EngineLayout, *, nodes_per_cell: int, gpus_per_node: int
@@ -99,7 +101,8 @@ class EngineActor:
         """Build the engine (on this actor's loop); returns where it runs."""
         self.engine = self.make(self.index, self.tp)
         return EngineActorInfo(self.index, self.bundle, tuple(str(g) for g in ray.get_gpu_ids()),
-                               os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid())
+                               os.environ.get("CUDA_VISIBLE_DEVICES"), os.getpid(),
+                               int(self.engine.vocab_size))
 
     async def generate(self, input_ids: np.ndarray, sampling: Any) -> Any:
         return await self.engine.generate(input_ids, sampling=sampling)
@@ -180,6 +183,11 @@ class EngineActors:
     @property
     def is_sleeping(self) -> bool:
         return self._asleep
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids every engine accepts: ``[0, vocab_size)``."""
+        return min(info.vocab_size for info in self.infos)
 
     async def generate(self, input_ids: np.ndarray, *, sampling: Any) -> Any:
         actor = self.actors[self.routing.engine_of(asyncio.current_task())]

@@ -37,6 +37,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from ray_xlong.cells.weight_sync import sync_groups
+
 
 PLACEMENTS = ("process", "actors")
 """``EngineLayout.placement`` values."""
@@ -195,6 +197,11 @@ class EngineSet:
     def is_sleeping(self) -> bool:
         return any(getattr(e, "is_sleeping", False) for e in self.engines)
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids every engine accepts: ``[0, vocab_size)``."""
+        return min(e.vocab_size for e in self.engines)
+
     def num_pending(self) -> int:
         """Requests waiting for a batch on any engine."""
         return sum(e.num_pending() for e in self.engines)
@@ -222,6 +229,13 @@ class EngineSet:
     def engine_weights(self) -> list[dict[str, torch.Tensor]]:
         """Each engine's model weights (:func:`model_weights`)."""
         return [model_weights(e) for e in self.engines]
+
+    async def receive_weights(self, spec: Any, version: int) -> None:
+        """Take part in ``spec``'s broadcast (``weight_sync.SyncGroups``, in this process: the
+        engines share it) off the loop, then load the weights into every engine between
+        batches."""
+        state = await asyncio.to_thread(sync_groups(self).receive, spec, version)
+        await self.update_weights(state, version=version)
 
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines))

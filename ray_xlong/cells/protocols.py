@@ -154,6 +154,14 @@ class EngineHosting(Protocol):
     def engine_weights(self) -> list[dict[str, torch.Tensor]]:
         """Each engine's model weights (to check a sync)."""
 
+    async def receive_weights(self, spec: Any, version: int) -> None:
+        """Take part in ``spec``'s weight broadcast (``weight_sync``) and load what arrives
+        into every engine between batches."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids every engine accepts: ``[0, vocab_size)``."""
+
     async def close(self) -> None:
         """Close every engine."""
 

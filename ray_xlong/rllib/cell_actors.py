@@ -21,7 +21,6 @@ import ray
 
 from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.cells.cell_engines import CellEngines
-from ray_xlong.cells.engines import model_weights
 from ray_xlong.cells.pool import CellActors
 from ray_xlong.cells.spool import RunSpool
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
@@ -133,29 +132,22 @@ class CellRunner(AgentEnvRunner):
 
     def receive_weights(self, spec: Any, version: int) -> float:
         """The weights of ``version`` from the sender of ``spec``'s sync group, bucket by
-        bucket (``cells/broadcast.py``), then loaded as :meth:`set_weights` loads them: between
-        engine batches, into every engine of the cell. Returns the seconds it took."""
-        from ray_xlong.cells.weight_sync import sync_groups
-
+        bucket (``cells/broadcast.py``), loaded as :meth:`set_weights` loads them: between
+        engine batches, into every engine of the cell (engine actors: the first receives, the
+        others load its copy). Returns the seconds it took."""
         t = time.perf_counter()
-        if hasattr(self.engine, "receive_weights"):    # engine actors: the first receives
-            self._call(self.engine.receive_weights(spec, version))
-            return time.perf_counter() - t
-        self.set_weights(sync_groups(self).receive(spec, version), version)
+        self._call(self.engine.receive_weights(spec, version))
         return time.perf_counter() - t
 
     def engine_routing(self) -> Any:
         """Runs per engine, and with engine actors their handles and GPUs
-        (``cells.engines.EngineRouting``; None for a single engine)."""
-        report = getattr(self.engine, "report", None)
-        return report() if report is not None else None
+        (``cells.engines.EngineRouting``)."""
+        return self.engine.report()
 
     def engine_weights(self) -> list[dict[str, Any]]:
-        """Each engine's model weights (an ``EngineSet`` or engine actors: every engine; ``{}``
-        for an engine without a torch model), to check what a sync delivered."""
-        if hasattr(self.engine, "engine_weights"):
-            return self.engine.engine_weights()
-        return [model_weights(self.engine)]
+        """Each engine's model weights (``{}`` for an engine without a torch model), to check
+        what a sync delivered."""
+        return self.engine.engine_weights()
 
 
 def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,

@@ -38,6 +38,7 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.env.env_runner import EnvRunner
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
+from ray_xlong.cells.cell_engines import hosting
 from ray_xlong.cells.runs import RunSpec  # noqa: F401 (re-exported: what start_runs takes)
 from ray_xlong.rllib.episodes import RUN_ACTION_SPACE, RUN_OBSERVATION_SPACE, run_to_episode
 from ray_xlong.rollout import Engine, HFEngine, Harness, HarnessConfig, RunResult, load_chat_format
@@ -108,7 +109,9 @@ class AgentEnvRunner(EnvRunner):
         self._ended: list[RunResult] = []
         self._draining = False
         self._stopped = False
-        self.engine: Engine = self._call(self._build_engine())
+        self.engine = hosting(self._call(self._build_engine()))
+        """The runner's engines (``cells.protocols.EngineHosting``: one engine is a one-engine
+        ``EngineSet``)."""
         self.harness = Harness(self.engine, load_chat_format(cfg.model_dir),
                                config=cfg.harness)
         self.endpoint = None             # ray_xlong.serving: started by endpoint_url()
@@ -133,7 +136,7 @@ class AgentEnvRunner(EnvRunner):
     def start_runs(self, specs: Sequence[RunSpec]) -> list[str]:
         """Start ``specs`` now; returns their run ids. Raises when draining, asleep or stopped,
         on an unknown task or a run id already used."""
-        if self._draining or self._stopped or getattr(self.engine, "is_sleeping", False):
+        if self._draining or self._stopped or self.engine.is_sleeping:
             raise RuntimeError("AgentEnvRunner takes no new runs (draining, asleep or stopped)")
         if any(spec.task in AGENT_TASKS for spec in specs):
             self.endpoint_url()

@@ -98,6 +98,10 @@ class Engine(Protocol):
     def policy_version(self) -> int:
         """Version of the weights the next batch will use."""
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the engine accepts and generates: ``[0, vocab_size)``."""
+
     async def generate(self, input_ids: np.ndarray, *,
                        sampling: SamplingConfig) -> GenerateResult:
         """Generate from ``input_ids`` (``[n]`` ints, n >= 1)."""

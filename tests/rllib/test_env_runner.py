@@ -129,7 +129,7 @@ def test_the_engine_loads_the_learners_dtype(model_dir, dtype):
     runner = make_runner(model_dir, dtype=dtype)
     try:
         want = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        assert {p.dtype for p in runner.engine.model.parameters()} == {want}
+        assert {p.dtype for p in runner.engine.engines[0].model.parameters()} == {want}
     finally:
         runner.stop()
 
