@@ -261,8 +261,9 @@ def test_sleep_queues_requests_until_wake_and_keeps_weights(model_dir):
         assert engine.is_sleeping and engine.model is None
         waiting = asyncio.ensure_future(engine.generate(np.arange(1, 6), sampling=SamplingConfig(
             max_tokens=5, temperature=0)))
-        await asyncio.sleep(0.05)
-        assert not waiting.done() and engine.num_pending() == 1
+        while engine.num_pending() == 0:         # the request reached the queue …
+            await asyncio.sleep(0)
+        assert not waiting.done() and engine.num_pending() == 1     # … and waits there
         await engine.wake_up()
         return ref, await waiting
 

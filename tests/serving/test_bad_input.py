@@ -106,7 +106,10 @@ def test_a_client_that_disconnects_mid_generation_records_nothing(serve, fmt):
     while ep.endpoint.cancelled == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert ep.endpoint.cancelled == 1
-    time.sleep(1.2)                                  # the engine's batch finishes meanwhile
+    engine = ep.endpoint.engine                      # wait for the engine's batch to finish
+    while (engine.stats().busy_s == 0 or engine.num_running()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().busy_s > 0 and engine.num_running() == 0
     assert ep.endpoint.runs.get("gone").calls == []  # not recorded, not half-recorded
     assert end_run(ep.url, "gone").status_code == 422
 
