@@ -18,13 +18,13 @@ bar is ≤ 2e-4 (fp32).
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 import sys
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 from ray_xlong.models.architectures import ARCHS, build_arch
 
 TOL = 2e-4
@@ -142,9 +142,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True)
-    p.add_argument("--seed", type=int, default=0)
+    p = bench_parser(__doc__, smoke=False, json_required=True)
     p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=list(ARCHS))
     p.add_argument("--grad-archs", nargs="*", default=list(GRAD_ARCHS), choices=list(ARCHS))
     args = p.parse_args(argv)
@@ -153,13 +151,15 @@ def main(argv: list[str] | None = None) -> int:
                 and r.get("xlong_grad_rel", 0) <= TOL
                 and (isinstance(r["xlong_tree"], str) or r["xlong_tree"] <= TOL)
                 and r.get("xlong_vs_dense", 0) <= TOL for r in rows)
-    print(table(rows))
-    print(f"\nall within {TOL:g} (fp32): {exact}")
-    path = pathlib.Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"seed": args.seed, "tolerance": TOL, "exact": exact,
-                                "rows": rows}, indent=2))
+    finish({"seed": args.seed, "tolerance": TOL, "exact": exact, "rows": rows},
+           show=show, json_path=args.json)
     return 0 if exact else 1
+
+
+def show(result: dict) -> None:
+    """The table and whether every row is within the tolerance."""
+    print(table(result["rows"]))
+    print(f"\nall within {result['tolerance']:g} (fp32): {result['exact']}")
 
 
 if __name__ == "__main__":

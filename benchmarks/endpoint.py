@@ -69,6 +69,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 
 from ray_xlong.rollout.chat import ToolCall  # noqa: E402
 from ray_xlong.rollout.tasks.base import Observation  # noqa: E402
@@ -468,8 +469,7 @@ def print_table(args, results: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser = bench_parser(__doc__, smoke=False)
     parser.add_argument("--runs", type=int, default=16, help="concurrent runs per path")
     parser.add_argument("--turns", type=int, default=10, help="tool turns per scripted run")
     parser.add_argument("--repeats", type=int, default=3,
@@ -485,7 +485,6 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default=".cache/ray_xlong", help="warm-start cache (hf)")
     parser.add_argument("--quick-warm", action="store_true",
                         help="a 7-step warm start (smoke tests: plumbing, not a policy)")
-    parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -501,10 +500,8 @@ def main(argv=None) -> int:
         parser.error(f"--engines: any of scripted, hf, compute, got {args.engines!r}")
     model_dir = model_dir_for(args) if "hf" in kinds else ""
     results = {kind: measure(kind, args, model_dir) for kind in kinds}
-    print_table(args, results)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(
-            {"seed": args.seed, "runs": args.runs, "turns": args.turns, **results}, indent=2))
+    finish({"seed": args.seed, "runs": args.runs, "turns": args.turns, **results},
+           show=lambda _: print_table(args, results), json_path=args.json)
     return 0
 
 

@@ -24,10 +24,8 @@ vLLM, for GPU machines that have neither. What has run on a GPU: ``docs/gpu-firs
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
-import json
 import pathlib
 import sys
 import tempfile
@@ -37,7 +35,9 @@ from typing import Any, Callable
 
 import torch
 
-from ray_xlong.models import build_tiny_model_dir, load_model
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
+from ray_xlong.models import build_tiny_model_dir, load_model  # noqa: E402
 from ray_xlong.trajectory import ProcessorConfig, TrajectoryProcessor
 from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_runs
 
@@ -339,10 +339,8 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__, smoke=False)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--torch-only", action="store_true",
                         help="only the stages that need torch + transformers (no Ray, no vLLM)")
     args = parser.parse_args(argv)
@@ -353,11 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_torch_only(args.device, args.seed)
     else:
         result = run(args.device, args.seed)
-    print_table(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-    return result
+    return finish(result, show=print_table, json_path=args.json)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,13 @@ the spread of the final reward over seeds, i.e. the run-to-run noise) and writes
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
 import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 
 from ray_xlong.scheduling.modes import PAPER_MODES as MODES  # the one mode registry
 from ray_xlong.trajectory import LossConfig
@@ -98,8 +100,7 @@ def table(result: dict) -> str:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", required=True, help="output JSON path")
+    p = bench_parser(__doc__, smoke=False, seed=False, json_required=True)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--seeds", nargs="+", type=int, default=[1])
     p.add_argument("--steps", type=int, default=25)
@@ -127,12 +128,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    result = run(args)
-    print(table(result))
-    path = pathlib.Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    finish(run(args), show=lambda result: print(table(result)), json_path=args.json)
+    print(f"wrote {args.json}")
     return 0
 
 

@@ -20,12 +20,16 @@ import pathlib
 from typing import Any, Callable
 
 
-def bench_parser(doc: str | None, *, smoke: bool = True) -> argparse.ArgumentParser:
-    """An argument parser described by the first line of ``doc`` with ``--seed``, ``--json``
+def bench_parser(doc: str | None, *, smoke: bool = True, seed: bool = True,
+                 json_required: bool = False) -> argparse.ArgumentParser:
+    """An argument parser described by the first line of ``doc`` with ``--seed`` (unless
+    ``seed=False``: a script that takes several), ``--json`` (required with ``json_required``)
     and (unless ``smoke=False``) ``--smoke``."""
     parser = argparse.ArgumentParser(description=(doc or "").strip().split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="write the results here")
+    if seed:
+        parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, required=json_required,
+                        help="write the results here")
     if smoke:
         parser.add_argument("--smoke", action="store_true", help="tiny budget (CI)")
     return parser
