@@ -5,11 +5,15 @@ previous request when its messages are the previous messages + the assistant mes
 returned + new messages (tools unchanged). Then, and only then::
 
     prompt = previous prompt ids ++ previous output ids (exactly as sampled)
-             ++ encode(delta of the new messages)          (TemplateFormat.delta_text: what the
+             ++ encode(delta of the new messages)          (template_delta.take_delta: what the
                                                             template appends to what the model saw)
 
 so no history is re-rendered and no model output re-tokenized, and the run's calls chain into
-one trajectory. Anything else (an edited or compacted history, other tools, a first request)
+one trajectory. The delta is rendered from a window (the head and the last turns, proven per
+template; ``rollout/template_delta.py``) and the context keeps what the model saw in chunks, so
+a request's cost on the endpoint does not grow with the history beyond comparing the messages
+sent (:func:`normalize_request`: the previous request's messages compared as sent, only the new
+ones normalized). Anything else (an edited or compacted history, other tools, a first request)
 renders the whole conversation afresh with the tokenizer's chat template; the prefix tree
 branches there. Where the template's render does not start with what the model saw (it rewrites
 history: Qwen3 drops an earlier think block once a user turn follows) the delta is what the
@@ -26,8 +30,9 @@ from typing import Sequence
 import numpy as np
 
 from ray_xlong.rollout.chat import ChatFormatError
+from ray_xlong.rollout.template_delta import Seen, take_delta
 from ray_xlong.rollout.template_format import TemplateFormat
-from ray_xlong.serving.messages import render_message
+from ray_xlong.serving.messages import normalize, render_message
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -42,6 +47,12 @@ class AgentContext:
     """``[n]`` prompt ids ++ output ids, exactly as sent to / sampled by the engine."""
     open: bool
     """Whether the output ended without an end-of-turn id (cut off by ``max_tokens``)."""
+    rendered: tuple[dict, ...] = ()
+    """``messages`` as the chat template takes them (``render_message``); () : not kept."""
+    seen: Seen | None = None
+    """What the model saw (None: decoded from ``context_ids`` when needed)."""
+    raw: tuple = ()
+    """The request's messages as sent (the next request's are compared with them first)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -54,19 +65,35 @@ class Prompt:
     """True: previous context ++ delta; False: rendered afresh."""
     rewrite: bool = False
     """The delta was taken while the template rewrote history."""
+    seen: Seen | None = None
+    """What the model saw, through these ids."""
+    rendered: tuple[dict, ...] = ()
+    """The request's messages as the chat template takes them."""
+
+
+def render_text(fmt: TemplateFormat, messages: Sequence[dict], tools: Sequence[dict]) -> str:
+    """The whole conversation rendered by the chat template (+ the generation prompt)."""
+    try:
+        return fmt.tokenizer.apply_chat_template(list(messages), tools=list(tools) or None,
+                                                 tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - the request's fault: name it
+        raise ChatFormatError(f"messages: the chat template failed to render them: {exc}") \
+            from exc
 
 
 def render_ids(fmt: TemplateFormat, messages: Sequence[dict], tools: Sequence[dict]
                ) -> np.ndarray:
     """The whole conversation rendered by the chat template (+ the generation prompt)."""
-    try:
-        text = fmt.tokenizer.apply_chat_template([render_message(m) for m in messages],
-                                                 tools=list(tools) or None, tokenize=False,
-                                                 add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001 - the request's fault: name it
-        raise ChatFormatError(f"messages: the chat template failed to render them: {exc}") \
-            from exc
-    return fmt.encode(text)
+    return fmt.encode(render_text(fmt, [render_message(m) for m in messages], tools))
+
+
+def normalize_request(raw: Sequence, previous: AgentContext | None) -> list[dict]:
+    """The request's messages in normal form; where they start with the previous request's
+    messages as sent, those are taken from ``previous`` and only the rest normalized."""
+    k = len(previous.raw) if previous is not None else 0
+    if k and len(raw) > k and list(raw[:k]) == list(previous.raw):
+        return list(previous.messages[:k]) + normalize(raw[k:], start=k)
+    return normalize(raw)
 
 
 def build_prompt(fmt: TemplateFormat, previous: AgentContext | None, messages: list[dict],
@@ -84,16 +111,42 @@ def build_prompt(fmt: TemplateFormat, previous: AgentContext | None, messages: l
         new = messages[n:]
         if len(messages) > n and _same(previous.messages, messages[:n]) \
                 and all(m["role"] != "assistant" for m in new):
-            before = [render_message(m) for m in previous.messages]
-            after = [render_message(m) for m in new]
-            seen = fmt.decode(previous.context_ids) + (fmt.end_text if previous.open else "")
-            text, rewrite = fmt.delta_text(before, after, list(tools), seen)
-            delta = fmt.encode(text)
+            before = previous.rendered or tuple(render_message(m) for m in previous.messages)
+            after = tuple(render_message(m) for m in new)
+            seen = previous.seen or _decoded(fmt, previous, before, tools)
+            delta = take_delta(fmt, before, after, list(tools), seen, open=previous.open)
+            ids = fmt.encode(delta.text)
             if previous.open:
-                delta = np.concatenate([[fmt.end_id], delta])
-            ids = np.concatenate([previous.context_ids, delta]).astype(np.int64)
-            return Prompt(ids, True, rewrite)
-    return Prompt(render_ids(fmt, messages, tools), False)
+                ids = np.concatenate([[fmt.end_id], ids])
+            ids = np.concatenate([previous.context_ids, ids]).astype(np.int64)
+            return Prompt(ids, True, delta.rewrite, delta.seen, before + after)
+    rendered = tuple(render_message(m) for m in messages)
+    text = render_text(fmt, rendered, tools)
+    head = next((i for i, m in enumerate(rendered) if m["role"] == "assistant"), len(rendered))
+    head_text = text if head == len(rendered) else render_text(fmt, rendered[:head], tools)
+    return Prompt(fmt.encode(text), False, seen=Seen(head, head_text, (text,)),
+                  rendered=rendered)
+
+
+def next_context(fmt: TemplateFormat, prompt: Prompt, messages: Sequence[dict], turn: dict,
+                 tools: tuple, output_ids: np.ndarray, raw: Sequence) -> AgentContext:
+    """What the endpoint keeps of a request answered with ``turn`` (normal form) sampled as
+    ``output_ids``."""
+    out = np.asarray(output_ids, np.int64)
+    seen = prompt.seen.with_output(fmt.decode(out), len(messages)) if prompt.seen else None
+    return AgentContext(tuple(messages) + (turn,), tools,
+                        np.concatenate([prompt.ids, out]),
+                        not (out.size and int(out[-1]) in fmt.stop_token_ids),
+                        prompt.rendered + (render_message(turn),), seen, tuple(raw))
+
+
+def _decoded(fmt: TemplateFormat, previous: AgentContext, rendered: Sequence[dict],
+             tools: Sequence[dict]) -> Seen:
+    """What the model saw, for a context kept without it: its ids decoded, one chunk."""
+    head = next((i for i, m in enumerate(rendered) if m["role"] == "assistant"),
+                len(rendered))
+    return Seen(head, render_text(fmt, rendered[:head], tools),
+                (fmt.decode(previous.context_ids),))
 
 
 def _same(kept: Sequence[dict], sent: Sequence[dict]) -> bool:
@@ -101,6 +154,8 @@ def _same(kept: Sequence[dict], sent: Sequence[dict]) -> bool:
     client dropped them (the reasoning is in the context ids; the ids are ours)."""
     if len(kept) != len(sent):
         return False
+    if list(kept) == list(sent):
+        return True
     for a, b in zip(kept, sent):
         a = {k: v for k, v in a.items()
              if k != "tool_call_ids" and (k != "reasoning_content" or k in b)}
