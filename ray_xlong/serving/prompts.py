@@ -35,6 +35,39 @@ from ray_xlong.rollout.template_format import TemplateFormat
 from ray_xlong.serving.messages import normalize, render_message
 
 
+class IdBuffer:
+    """The ids of an agent's successive contexts in one growing array (doubling), so a request
+    appends its delta and output in place instead of copying the whole context.
+
+    Contexts are read-only views ``buf[:n]``; an extension of the view ending at the buffer's
+    end writes after it, any other (a branch: two requests extending one context) copies, so
+    no view's ids ever change."""
+
+    __slots__ = ("buf", "end")
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.buf = np.empty(max(1024, 2 * len(ids)), np.int64)
+        self.buf[:len(ids)] = ids
+        self.end = len(ids)
+
+    def view(self) -> np.ndarray:
+        out = self.buf[:self.end]
+        out.flags.writeable = False
+        return out
+
+    def extended(self, n: int, new: np.ndarray) -> "IdBuffer":
+        """The buffer holding ``buf[:n] ++ new`` (this one when ``n`` is its end)."""
+        if n != self.end:
+            return IdBuffer(np.concatenate([self.buf[:n], new]))
+        if self.end + len(new) > len(self.buf):
+            grown = np.empty(max(2 * len(self.buf), self.end + len(new)), np.int64)
+            grown[:self.end] = self.buf[:self.end]
+            self.buf = grown                  # old views keep the old array (never written)
+        self.buf[self.end:self.end + len(new)] = new
+        self.end += len(new)
+        return self
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class AgentContext:
     """What the endpoint keeps of an agent's previous request."""
@@ -53,6 +86,8 @@ class AgentContext:
     """What the model saw (None: decoded from ``context_ids`` when needed)."""
     raw: tuple = ()
     """The request's messages as sent (the next request's are compared with them first)."""
+    buffer: IdBuffer | None = None
+    """The array ``context_ids`` views (extended in place by the next request)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -69,6 +104,8 @@ class Prompt:
     """What the model saw, through these ids."""
     rendered: tuple[dict, ...] = ()
     """The request's messages as the chat template takes them."""
+    buffer: IdBuffer | None = None
+    """The array ``ids`` views."""
 
 
 def render_text(fmt: TemplateFormat, messages: Sequence[dict], tools: Sequence[dict]) -> str:
@@ -118,8 +155,11 @@ def build_prompt(fmt: TemplateFormat, previous: AgentContext | None, messages: l
             ids = fmt.encode(delta.text)
             if previous.open:
                 ids = np.concatenate([[fmt.end_id], ids])
-            ids = np.concatenate([previous.context_ids, ids]).astype(np.int64)
-            return Prompt(ids, True, delta.rewrite, delta.seen, before + after)
+            n = len(previous.context_ids)
+            buffer = previous.buffer.extended(n, ids) if previous.buffer is not None \
+                else IdBuffer(np.concatenate([previous.context_ids, ids]))
+            return Prompt(buffer.view(), True, delta.rewrite, delta.seen, before + after,
+                          buffer)
     rendered = tuple(render_message(m) for m in messages)
     text = render_text(fmt, rendered, tools)
     head = next((i for i, m in enumerate(rendered) if m["role"] == "assistant"), len(rendered))
@@ -134,10 +174,11 @@ def next_context(fmt: TemplateFormat, prompt: Prompt, messages: Sequence[dict], 
     ``output_ids``."""
     out = np.asarray(output_ids, np.int64)
     seen = prompt.seen.with_output(fmt.decode(out), len(messages)) if prompt.seen else None
-    return AgentContext(tuple(messages) + (turn,), tools,
-                        np.concatenate([prompt.ids, out]),
+    buffer = prompt.buffer.extended(len(prompt.ids), out) if prompt.buffer is not None \
+        else IdBuffer(np.concatenate([prompt.ids, out]))
+    return AgentContext(tuple(messages) + (turn,), tools, buffer.view(),
                         not (out.size and int(out[-1]) in fmt.stop_token_ids),
-                        prompt.rendered + (render_message(turn),), seen, tuple(raw))
+                        prompt.rendered + (render_message(turn),), seen, tuple(raw), buffer)
 
 
 def _decoded(fmt: TemplateFormat, previous: AgentContext, rendered: Sequence[dict],

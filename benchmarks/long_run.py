@@ -1,0 +1,221 @@
+"""The environment side of a model call over a run of 1,000 calls: harness and endpoint, per template.
+
+A run of ``--calls`` tool calls, each answered with a ``--result-chars`` tool result (2,000
+characters: a file read, a search page), on the ChatML and Llama-3 templates (``build_tokenizer
+(style=...)``). The model's turns are scripted (the template's own rendering of one call), so
+what is timed is the environment side only:
+
+- **harness**: the real :class:`~ray_xlong.rollout.Harness` on a scripted engine; a call's cost
+  is the wall time from one engine call's return to the next engine call (parse, record, tool,
+  delta, context append; the scripted engine's own bookkeeping included);
+- **endpoint**: what the OpenAI endpoint does per chat request between the request's JSON and
+  the engine (``serving.prompts``: messages normalized against the previous request, the
+  prompt built, the turn parsed, the call recorded, the context kept). The request's JSON
+  parsing and schema validation are not included: the protocol sends the whole history each
+  request, so they are O(history) whatever the endpoint does.
+
+Per template and side: the median cost of the 10 calls ending at calls 10, 100 and 1,000
+(those ≤ ``--calls``), the ratio last / call 10 (goal ≤ 2), and, side by side, the exact rule
+(the whole conversation rendered each call, ``DeltaChecks(windowed=False)``) up to
+``--exact-calls`` calls. ``delta_stats`` are the format's counters (windowed, exact, checked,
+mismatches, unproven).
+
+    python benchmarks/long_run.py --calls 1000 --json out.json
+    python benchmarks/long_run.py --calls 12 --exact-calls 12 --json out.json     # CI smoke
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
+
+TEMPLATES = ("chatml", "llama3")
+POINTS = (10, 100, 1000)
+TOOL = {"type": "function", "function": {
+    "name": "read", "description": "Read a page.",
+    "parameters": {"type": "object", "properties": {"page": {"type": "integer"}},
+                   "required": ["page"]}}}
+
+
+def result_text(k: int, chars: int) -> str:
+    """Call ``k``'s tool result: ``chars`` characters of words (deterministic)."""
+    words = [f"w{(k * 7919 + i * 104729) % 9973}" for i in range(chars // 3 + 1)]
+    return " ".join(words)[:chars]
+
+
+def make_format(style: str, *, windowed: bool):
+    from ray_xlong.models.tokenizer import build_tokenizer
+    from ray_xlong.rollout.template_delta import DeltaChecks
+    from ray_xlong.rollout.template_format import TemplateFormat
+
+    tok = _tokenizer(style, build_tokenizer)
+    return TemplateFormat(tok, delta_checks=DeltaChecks(windowed=windowed), where=style)
+
+
+_TOKENIZERS: dict = {}
+
+
+def _tokenizer(style, build):
+    if style not in _TOKENIZERS:
+        _TOKENIZERS[style] = build(style=style, vocab_size=600)
+    return _TOKENIZERS[style]
+
+
+class _Env:
+    """A task whose one tool returns a fixed-size result."""
+
+    def __init__(self, chars: int) -> None:
+        from ray_xlong.rollout.tasks.base import Observation
+
+        self.tools, self.chars, self.k = (TOOL,), chars, 0
+        self._obs = Observation("You read pages with the tool.", "Read every page.")
+
+    def reset(self):
+        return self._obs
+
+    async def call_tool(self, name, args):
+        self.k += 1
+        return result_text(self.k, self.chars)
+
+    def submit(self, answer):
+        pass
+
+    def score(self):
+        return 1.0
+
+    def close(self):
+        pass
+
+
+def harness_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tuple[list, dict]:
+    """Per call: seconds from the previous engine call's return to this one (harness side)."""
+    from ray_xlong.rollout import Harness, HarnessConfig, ScriptedEngine
+    from ray_xlong.rollout.chat import ToolCall
+
+    fmt = make_format(style, windowed=windowed)
+    turn = fmt.turn_ids(calls=[ToolCall("read", {"page": 1})])
+    answer = fmt.turn_ids(text="done")
+    marks: list[tuple[float, float]] = []
+    state = {"n": 0, "back": None}
+
+    def policy(ids):
+        now = time.perf_counter()
+        if state["back"] is not None:
+            marks.append((state["back"], now))
+        state["n"] += 1
+        out = turn if state["n"] <= calls else answer
+        state["back"] = time.perf_counter()
+        return out
+
+    per_call = len(fmt.encode(result_text(1, chars))) + 64
+    capacity = (calls + 2) * per_call + 4096
+    cfg = HarnessConfig(max_new_tokens=64, context_capacity=capacity + 4 * chars + 128,
+                        compaction_budget=capacity,
+                        max_run_tokens=1 << 30, wall_clock_s=1e6, max_calls=calls + 1,
+                        max_subagent_depth=0, max_tool_output_tokens=4 * chars)
+    engine = ScriptedEngine(policy, vocab_size=len(fmt.tokenizer))
+    result = asyncio.run(Harness(engine, fmt, config=cfg).run(_Env(chars), run_id="r",
+                                                             group_id="g"))
+    if result.run.status != "finished":
+        raise RuntimeError(f"harness run ended {result.run.status}: {result.info}")
+    return [b - a for a, b in marks][:calls], dataclasses.asdict(fmt.delta_stats)
+
+
+def endpoint_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tuple[list, dict]:
+    """Per call: seconds of the endpoint's work on a chat request (see module docstring)."""
+    from ray_xlong.rollout.chat import ToolCall
+    from ray_xlong.rollout.engine import GenerateResult
+    from ray_xlong.serving import responses
+    from ray_xlong.serving.messages import AgentTag
+    from ray_xlong.serving.prompts import build_prompt, next_context, normalize_request
+    from ray_xlong.serving.runs import RunRegistry
+
+    fmt = make_format(style, windowed=windowed)
+    out = fmt.turn_ids(calls=[ToolCall("read", {"page": 1})])
+    result = GenerateResult(out, np.full(out.size, -1.0), 0, "stop")
+    runs = RunRegistry()
+    run, tag, tools = runs.open(group_id="g"), AgentTag("main"), (TOOL,)
+    raw = [{"role": "system", "content": "You read pages with the tool."},
+           {"role": "user", "content": "Read every page."}]
+    costs = []
+    for k in range(1, calls + 1):
+        t0 = time.perf_counter()
+        previous = run.agents.get("main")
+        messages = normalize_request(raw, previous)
+        prompt = build_prompt(fmt, previous, messages, tools)
+        turn = responses.parse_turn(fmt, result, tools=tools)
+        runs.record(run, tag, prompt.ids, result, started=time.time())
+        run.agents["main"] = next_context(fmt, prompt, messages, turn.normal_form(), tools,
+                                          result.output_ids, raw)
+        costs.append(time.perf_counter() - t0)
+        call_id = turn.ids[0]                               # the client echoes the turn back
+        raw = raw + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": "read", "arguments": json.dumps({"page": 1})}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": result_text(k, chars)}]
+        if k > 1 and not prompt.extends:
+            raise RuntimeError(f"endpoint call {k} did not extend the previous request")
+    return costs, dataclasses.asdict(fmt.delta_stats)
+
+
+def at_points(costs: list[float]) -> dict[int, float]:
+    """Median seconds of the 10 calls ending at each point (1-based calls)."""
+    return {p: float(np.median(costs[max(0, p - 10):p])) for p in POINTS if p <= len(costs)}
+
+
+def run(*, calls: int, exact_calls: int, chars: int) -> dict:
+    rows = []
+    for style in TEMPLATES:
+        for side, measure in (("harness", harness_costs), ("endpoint", endpoint_costs)):
+            for rule, n in (("windowed", calls), ("exact", min(exact_calls, calls))):
+                if n < 1:
+                    continue
+                costs, stats = measure(style, n, chars, windowed=rule == "windowed")
+                points = at_points(costs)
+                first, last = points.get(10), points[max(points)] if points else None
+                rows.append({"template": style, "side": side, "rule": rule, "calls": n,
+                             "ms_at": {str(p): round(v * 1e3, 3) for p, v in points.items()},
+                             "ratio_last_vs_10": round(last / first, 2) if first else None,
+                             "mean_ms": round(float(np.mean(costs)) * 1e3, 3),
+                             "delta_stats": stats})
+    return {"calls": calls, "result_chars": chars, "rows": rows}
+
+
+def show(result: dict) -> None:
+    print(f"environment side per call, ms (median of the 10 calls ending at call N; "
+          f"{result['result_chars']}-character tool results)")
+    print("| template | side | rule | " + " | ".join(f"call {p}" for p in POINTS)
+          + " | last / call 10 | delta stats |")
+    print("|---|---|---|" + "---|" * len(POINTS) + "---|---|")
+    for r in result["rows"]:
+        cells = [str(r["ms_at"].get(str(p), "")) for p in POINTS]
+        s = r["delta_stats"]
+        print(f"| {r['template']} | {r['side']} | {r['rule']} | " + " | ".join(cells)
+              + f" | {r['ratio_last_vs_10']} | windowed {s['windowed']}, exact {s['exact']}, "
+              f"mismatches {s['mismatches']}, unproven {s['unproven']} |")
+
+
+def main(argv=None) -> dict:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--exact-calls", type=int, default=100,
+                        help="calls of the exact rule (side by side; O(n^2) per run)")
+    parser.add_argument("--result-chars", type=int, default=2000)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.calls, args.exact_calls = min(args.calls, 12), min(args.exact_calls, 12)
+    result = run(calls=args.calls, exact_calls=args.exact_calls, chars=args.result_chars)
+    return finish(result, show=show, json_path=args.json)
+
+
+if __name__ == "__main__":
+    main()
