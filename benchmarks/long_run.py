@@ -14,8 +14,8 @@ what is timed is the environment side only:
   parsing and schema validation are not included: the protocol sends the whole history each
   request, so they are O(history) whatever the endpoint does.
 
-Per template and side: the median cost of the 10 calls ending at calls 10, 100 and 1,000
-(those ≤ ``--calls``), the ratio last / call 10 (goal ≤ 2), and, side by side, the exact rule
+Per template and side: the median cost (process CPU time; wall time in the JSON, which also
+counts waiting for a core) of the 20 calls ending at calls 10, 100 and 1,000 (those ≤ ``--calls``), the ratio last / call 10 (goal ≤ 2), and, side by side, the exact rule
 (the whole conversation rendered each call, ``DeltaChecks(windowed=False)``) up to
 ``--exact-calls`` calls. ``delta_stats`` are the format's counters (windowed, exact, checked,
 mismatches, unproven).
@@ -104,16 +104,16 @@ def harness_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tupl
     fmt = make_format(style, windowed=windowed)
     turn = fmt.turn_ids(calls=[ToolCall("read", {"page": 1})])
     answer = fmt.turn_ids(text="done")
-    marks: list[tuple[float, float]] = []
+    marks: list[tuple[tuple, tuple]] = []
     state = {"n": 0, "back": None}
 
     def policy(ids):
-        now = time.perf_counter()
+        now = _clocks()
         if state["back"] is not None:
             marks.append((state["back"], now))
         state["n"] += 1
         out = turn if state["n"] <= calls else answer
-        state["back"] = time.perf_counter()
+        state["back"] = _clocks()
         return out
 
     per_call = len(fmt.encode(result_text(1, chars))) + 64
@@ -127,7 +127,14 @@ def harness_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tupl
                                                              group_id="g"))
     if result.run.status != "finished":
         raise RuntimeError(f"harness run ended {result.run.status}: {result.info}")
-    return [b - a for a, b in marks][:calls], dataclasses.asdict(fmt.delta_stats)
+    return [(b[0] - a[0], b[1] - a[1]) for a, b in marks][:calls], \
+        dataclasses.asdict(fmt.delta_stats)
+
+
+def _clocks() -> tuple[float, float]:
+    """(process CPU seconds, wall seconds): CPU time is what the call costs; wall time also
+    counts waiting for a core on a loaded machine."""
+    return time.process_time(), time.perf_counter()
 
 
 def endpoint_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tuple[list, dict]:
@@ -148,7 +155,7 @@ def endpoint_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tup
            {"role": "user", "content": "Read every page."}]
     costs = []
     for k in range(1, calls + 1):
-        t0 = time.perf_counter()
+        t0 = _clocks()
         previous = run.agents.get("main")
         messages = normalize_request(raw, previous)
         prompt = build_prompt(fmt, previous, messages, tools)
@@ -156,7 +163,8 @@ def endpoint_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tup
         runs.record(run, tag, prompt.ids, result, started=time.time())
         run.agents["main"] = next_context(fmt, prompt, messages, turn.normal_form(), tools,
                                           result.output_ids, raw)
-        costs.append(time.perf_counter() - t0)
+        t1 = _clocks()
+        costs.append((t1[0] - t0[0], t1[1] - t0[1]))
         call_id = turn.ids[0]                               # the client echoes the turn back
         raw = raw + [{"role": "assistant", "content": None, "tool_calls": [
             {"id": call_id, "type": "function",
@@ -168,8 +176,8 @@ def endpoint_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tup
 
 
 def at_points(costs: list[float]) -> dict[int, float]:
-    """Median seconds of the 10 calls ending at each point (1-based calls)."""
-    return {p: float(np.median(costs[max(0, p - 10):p])) for p in POINTS if p <= len(costs)}
+    """Median seconds of the (up to) 20 calls ending at each point (1-based calls)."""
+    return {p: float(np.median(costs[max(0, p - 20):p])) for p in POINTS if p <= len(costs)}
 
 
 def run(*, calls: int, exact_calls: int, chars: int) -> dict:
@@ -180,19 +188,20 @@ def run(*, calls: int, exact_calls: int, chars: int) -> dict:
                 if n < 1:
                     continue
                 costs, stats = measure(style, n, chars, windowed=rule == "windowed")
-                points = at_points(costs)
-                first, last = points.get(10), points[max(points)] if points else None
+                cpu, wall = at_points([c for c, _ in costs]), at_points([w for _, w in costs])
+                first, last = cpu.get(10), cpu[max(cpu)] if cpu else None
                 rows.append({"template": style, "side": side, "rule": rule, "calls": n,
-                             "ms_at": {str(p): round(v * 1e3, 3) for p, v in points.items()},
+                             "ms_at": {str(p): round(v * 1e3, 3) for p, v in cpu.items()},
+                             "wall_ms_at": {str(p): round(v * 1e3, 3) for p, v in wall.items()},
                              "ratio_last_vs_10": round(last / first, 2) if first else None,
-                             "mean_ms": round(float(np.mean(costs)) * 1e3, 3),
+                             "mean_ms": round(float(np.mean([c for c, _ in costs])) * 1e3, 3),
                              "delta_stats": stats})
     return {"calls": calls, "result_chars": chars, "rows": rows}
 
 
 def show(result: dict) -> None:
-    print(f"environment side per call, ms (median of the 10 calls ending at call N; "
-          f"{result['result_chars']}-character tool results)")
+    print(f"environment side per call, CPU ms (median of the 20 calls ending at call N; "
+          f"{result['result_chars']}-character tool results; wall ms in the JSON)")
     print("| template | side | rule | " + " | ".join(f"call {p}" for p in POINTS)
           + " | last / call 10 | delta stats |")
     print("|---|---|---|" + "---|" * len(POINTS) + "---|---|")
