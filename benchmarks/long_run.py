@@ -1,4 +1,4 @@
-"""The environment side of a model call over a run of 1,000 calls: harness and endpoint, per template.
+"""The environment side of a model call over runs of 1,000 calls: harness and endpoint.
 
 A run of ``--calls`` tool calls, each answered with a ``--result-chars`` tool result (2,000
 characters: a file read, a search page), on the ChatML and Llama-3 templates (``build_tokenizer
@@ -15,13 +15,22 @@ what is timed is the environment side only:
   request, so they are O(history) whatever the endpoint does.
 
 Per template and side: the median cost (process CPU time; wall time in the JSON, which also
-counts waiting for a core) of the 20 calls ending at calls 10, 100 and 1,000 (those ≤ ``--calls``), the ratio last / call 10 (goal ≤ 2), and, side by side, the exact rule
+counts waiting for a core) of the 20 calls ending at calls 10, 100 and 1,000 (those ≤
+``--calls``), the ratio last / call 10 (goal ≤ 2), and, side by side, the exact rule
 (the whole conversation rendered each call, ``DeltaChecks(windowed=False)``) up to
 ``--exact-calls`` calls. ``delta_stats`` are the format's counters (windowed, exact, checked,
 mismatches, unproven).
 
+``--train-steps S`` adds one long run end to end on CPU: the ``long_horizon`` task of ``S``
+steps solved by its scripted oracle (a subagent every third step) through the harness on the
+tiny model's token format, with compaction, processed into its prefix tree (one row), and
+trained as one step on 1 and 2 context-parallel Learner ranks (gloo processes,
+``LearnerSettings.context_parallel``): calls, tokens, compactions, step times and the largest
+logprob and gradient differences of 2 ranks against 1 (JSON ``train``).
+
     python benchmarks/long_run.py --calls 1000 --json out.json
     python benchmarks/long_run.py --calls 12 --exact-calls 12 --json out.json     # CI smoke
+    python benchmarks/long_run.py --calls 0 --train-steps 200 --json out.json      # ≥ 300 calls
 """
 
 from __future__ import annotations
@@ -182,7 +191,7 @@ def at_points(costs: list[float]) -> dict[int, float]:
 
 def run(*, calls: int, exact_calls: int, chars: int) -> dict:
     rows = []
-    for style in TEMPLATES:
+    for style in TEMPLATES if calls > 0 else ():
         for side, measure in (("harness", harness_costs), ("endpoint", endpoint_costs)):
             for rule, n in (("windowed", calls), ("exact", min(exact_calls, calls))):
                 if n < 1:
@@ -199,7 +208,115 @@ def run(*, calls: int, exact_calls: int, chars: int) -> dict:
     return {"calls": calls, "result_chars": chars, "rows": rows}
 
 
+def long_horizon_row(steps: int, *, seed: int, work: str):
+    """The long run: (its PackedBatch tree row, facts about the run), model dir in ``work``."""
+    from ray_xlong.cells.long_horizon_job import oracle_engine
+    from ray_xlong.models import TinyModelConfig, build_tiny_model_dir, load_tokenizer
+    from ray_xlong.rollout import Harness, HarnessConfig, load_chat_format
+    from ray_xlong.rollout.tasks.long_horizon import LongHorizonConfig, LongHorizonTask
+    from ray_xlong.trajectory.batch_config import ProcessorConfig
+    from ray_xlong.trajectory.per_run import pack_runs, process_run
+
+    shape = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=1, num_kv_heads=1,
+                            intermediate_size=128, max_position_embeddings=1 << 16)
+    model_dir = build_tiny_model_dir(pathlib.Path(work) / "model", seed=seed, config=shape)
+    chat = load_chat_format(model_dir)
+    engine = oracle_engine(str(model_dir), steps, 3, model_logprobs=False)
+    task = LongHorizonTask(seed, config=LongHorizonConfig(
+        num_steps=steps, latency_median_s=1.0, latency_sigma=0.5, time_scale=1e-6))
+    cfg = HarnessConfig(max_new_tokens=32, context_capacity=4096, compaction_budget=2048,
+                        max_run_tokens=1 << 30, wall_clock_s=1e6, max_calls=4 * steps + 8)
+    start = time.perf_counter()
+    result = asyncio.run(Harness(engine, chat, config=cfg).run(task, run_id="long",
+                                                              group_id="g"))
+    run_s = time.perf_counter() - start
+    if result.run.status != "finished":
+        raise RuntimeError(f"the long run ended {result.run.status}: {result.info}")
+    conf = ProcessorConfig(row_tokens=None, vocab_size=len(load_tokenizer(model_dir)))
+    batch = pack_runs([process_run(result.run, conf)], {"long": 1.0}, config=conf)
+    facts = {"steps": steps, "calls": len(result.run.calls),
+             "compactions": result.info.compactions, "subagents": result.info.subagents,
+             "generated_tokens": int(result.run.num_tokens),
+             "row_tokens": int(batch.input_ids.shape[1]),
+             "targets": int(batch.target_ids.numel()), "harness_s": round(run_s, 2)}
+    return batch, facts, str(model_dir)
+
+
+def _train_rank(rank: int, ranks: int, batch_path: str, model_dir: str, port: int,
+                out: str) -> None:
+    """One Learner rank: its share of the row, one step's logprobs and gradients, saved."""
+    import torch
+
+    from ray_xlong.cells.config import LearnerSettings
+    from ray_xlong.cells.context_parallel import rank_share
+    from ray_xlong.cells.sharded import LearnerRank, rank_rows
+    from ray_xlong.cells.sharding import ShardingSettings
+    from ray_xlong.trajectory.loss import policy_loss
+
+    torch.set_num_threads(1)
+    learner = LearnerRank(settings=LearnerSettings(model_dir=model_dir, context_parallel=ranks),
+                          sharding=ShardingSettings(ranks_per_cell=ranks, timeout_s=3600.0),
+                          rank=rank, world_size=ranks)
+    learner.setup("127.0.0.1", port)
+    batch = torch.load(batch_path, weights_only=False)
+    if ranks > 1:
+        local, plan, _ = rank_share(batch, rank=rank, world_size=ranks, context_parallel=ranks,
+                                    group=learner.cp_group)
+        offset = plan.start
+    else:
+        (local, _), plan, offset = rank_rows(batch, rank=0, world_size=1), None, 0
+    start = time.perf_counter()
+    logprobs = learner.root(local.to_tensors(), plan)
+    loss, _ = policy_loss(logprobs, local)
+    loss.backward()
+    grads = learner.take_gradients()
+    torch.save({"seconds": time.perf_counter() - start, "logprobs": logprobs.detach(),
+                "src": local.target_src + offset, "grads": grads}, f"{out}/rank{rank}.pt")
+
+
+def train_long_run(steps: int, *, seed: int) -> dict:
+    """The long run trained on 1 and 2 context-parallel ranks (see module docstring)."""
+    import socket
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    work = tempfile.mkdtemp(prefix="xlong_long_run_")
+    batch, facts, model_dir = long_horizon_row(steps, seed=seed, work=work)
+    batch_path = f"{work}/batch.pt"
+    torch.save(batch, batch_path)
+    got = {}
+    for ranks in (1, 2):
+        out = tempfile.mkdtemp(dir=work)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(_train_rank, args=(ranks, batch_path, model_dir, port, out), nprocs=ranks)
+        parts = [torch.load(f"{out}/rank{r}.pt") for r in range(ranks)]
+        src = torch.cat([p["src"] for p in parts])
+        got[ranks] = {"seconds": max(p["seconds"] for p in parts), "grads": parts[0]["grads"],
+                      "logprobs": torch.cat([p["logprobs"] for p in parts])[torch.argsort(src)]}
+    one, two = got[1], got[2]
+    grad_diff = max(float(((two["grads"][k] - g).abs().max() / g.abs().max().clamp_min(1e-30)))
+                    for k, g in one["grads"].items())
+    return {**facts, "step_s_1_rank": round(one["seconds"], 2),
+            "step_s_2_ranks": round(two["seconds"], 2),
+            "max_abs_logprob_diff": float((one["logprobs"] - two["logprobs"]).abs().max()),
+            "max_rel_grad_diff": grad_diff}
+
+
 def show(result: dict) -> None:
+    if result.get("train"):
+        t = result["train"]
+        print(f"long run: {t['steps']} steps, {t['calls']} calls, {t['compactions']} "
+              f"compactions, {t['generated_tokens']} generated tokens, tree row "
+              f"{t['row_tokens']} tokens, "
+              f"{t['targets']} targets; step 1 rank {t['step_s_1_rank']} s, 2 ranks "
+              f"{t['step_s_2_ranks']} s; max abs Δ logprob {t['max_abs_logprob_diff']:.2e}, "
+              f"max rel Δ grad {t['max_rel_grad_diff']:.2e}")
+    if not result["rows"]:
+        return
     print(f"environment side per call, CPU ms (median of the 20 calls ending at call N; "
           f"{result['result_chars']}-character tool results; wall ms in the JSON)")
     print("| template | side | rule | " + " | ".join(f"call {p}" for p in POINTS)
@@ -219,10 +336,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--exact-calls", type=int, default=100,
                         help="calls of the exact rule (side by side; O(n^2) per run)")
     parser.add_argument("--result-chars", type=int, default=2000)
+    parser.add_argument("--train-steps", type=int, default=0,
+                        help="also one long_horizon run of this many steps, trained on 1 and 2 "
+                             "context-parallel ranks (0: not)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.calls, args.exact_calls = min(args.calls, 12), min(args.exact_calls, 12)
     result = run(calls=args.calls, exact_calls=args.exact_calls, chars=args.result_chars)
+    if args.train_steps:
+        result["train"] = train_long_run(args.train_steps, seed=args.seed)
     return finish(result, show=show, json_path=args.json)
 
 
