@@ -6,8 +6,8 @@ characters: a file read, a search page), on the ChatML and Llama-3 templates (``
 what is timed is the environment side only:
 
 - **harness**: the real :class:`~ray_xlong.rollout.Harness` on a scripted engine; a call's cost
-  is the wall time from one engine call's return to the next engine call (parse, record, tool,
-  delta, context append; the scripted engine's own bookkeeping included);
+  is the time from one ``engine.generate``'s return to the next call of it (parse, record,
+  tool, delta, context append);
 - **endpoint**: what the OpenAI endpoint does per chat request between the request's JSON and
   the engine (``serving.prompts``: messages normalized against the previous request, the
   prompt built, the turn parsed, the call recorded, the context kept). The request's JSON
@@ -113,17 +113,27 @@ def harness_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tupl
     fmt = make_format(style, windowed=windowed)
     turn = fmt.turn_ids(calls=[ToolCall("read", {"page": 1})])
     answer = fmt.turn_ids(text="done")
-    marks: list[tuple[tuple, tuple]] = []
-    state = {"n": 0, "back": None}
+    state = {"n": 0}
 
     def policy(ids):
-        now = _clocks()
-        if state["back"] is not None:
-            marks.append((state["back"], now))
         state["n"] += 1
-        out = turn if state["n"] <= calls else answer
-        state["back"] = _clocks()
-        return out
+        return turn if state["n"] <= calls else answer
+
+    marks: list[tuple[tuple, tuple]] = []
+
+    class Timed(ScriptedEngine):
+        """The scripted engine, timed from its return to the next call (the harness side;
+        the engine's own input check excluded)."""
+
+        back: tuple | None = None
+
+        async def generate(self, input_ids, **kw):
+            now = _clocks()
+            if self.back is not None:
+                marks.append((self.back, now))
+            result = await super().generate(input_ids, **kw)
+            self.back = _clocks()
+            return result
 
     per_call = len(fmt.encode(result_text(1, chars))) + 64
     capacity = (calls + 2) * per_call + 4096
@@ -131,7 +141,7 @@ def harness_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tupl
                         compaction_budget=capacity,
                         max_run_tokens=1 << 30, wall_clock_s=1e6, max_calls=calls + 1,
                         max_subagent_depth=0, max_tool_output_tokens=4 * chars)
-    engine = ScriptedEngine(policy, vocab_size=len(fmt.tokenizer))
+    engine = Timed(policy, vocab_size=len(fmt.tokenizer))
     result = asyncio.run(Harness(engine, fmt, config=cfg).run(_Env(chars), run_id="r",
                                                              group_id="g"))
     if result.run.status != "finished":

@@ -33,3 +33,22 @@ def test_long_run_smoke(tmp_path):
         assert stats["mismatches"] == 0 and stats["unproven"] == 0, row
         assert (stats["windowed"] >= 9) == (rule == "windowed"), row
     assert "| chatml | harness | windowed |" in proc.stdout
+
+
+@pytest.mark.benchmark
+@pytest.mark.slow
+def test_long_run_train_smoke(tmp_path):
+    """A short long_horizon run through the harness, its tree trained on 1 and 2
+    context-parallel ranks (gloo processes): the same logprobs and gradients."""
+    out = tmp_path / "out.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_run.py"),
+                           "--calls", "0", "--train-steps", "6", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["rows"] == []
+    train = data["train"]
+    assert train["calls"] == 6 + 2 * 2 + 1                 # a call a step, 2 delegated (+2 each)
+    assert train["targets"] > 0 and train["row_tokens"] > train["targets"]
+    assert train["max_abs_logprob_diff"] <= 1e-4 and train["max_rel_grad_diff"] <= 1e-4
