@@ -146,8 +146,9 @@ def harness_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tupl
                                                              group_id="g"))
     if result.run.status != "finished":
         raise RuntimeError(f"harness run ended {result.run.status}: {result.info}")
-    return [(b[0] - a[0], b[1] - a[1]) for a, b in marks][:calls], \
-        dataclasses.asdict(fmt.delta_stats)
+    stats = {**dataclasses.asdict(fmt.delta_stats),
+             "context_tokens": int(result.run.calls[calls - 1].input_ids.size)}
+    return [(b[0] - a[0], b[1] - a[1]) for a, b in marks][:calls], stats
 
 
 def _clocks() -> tuple[float, float]:
@@ -191,7 +192,7 @@ def endpoint_costs(style: str, calls: int, chars: int, *, windowed: bool) -> tup
             {"role": "tool", "tool_call_id": call_id, "content": result_text(k, chars)}]
         if k > 1 and not prompt.extends:
             raise RuntimeError(f"endpoint call {k} did not extend the previous request")
-    return costs, dataclasses.asdict(fmt.delta_stats)
+    return costs, {**dataclasses.asdict(fmt.delta_stats), "context_tokens": int(prompt.ids.size)}
 
 
 def at_points(costs: list[float]) -> dict[int, float]:
@@ -330,14 +331,14 @@ def show(result: dict) -> None:
     print(f"environment side per call, CPU ms (median of the 20 calls ending at call N; "
           f"{result['result_chars']}-character tool results; wall ms in the JSON)")
     print("| template | side | rule | " + " | ".join(f"call {p}" for p in POINTS)
-          + " | last / call 10 | delta stats |")
-    print("|---|---|---|" + "---|" * len(POINTS) + "---|---|")
+          + " | last / call 10 | context tokens at the last call | delta stats |")
+    print("|---|---|---|" + "---:|" * len(POINTS) + "---:|---:|---|")
     for r in result["rows"]:
         cells = [str(r["ms_at"].get(str(p), "")) for p in POINTS]
         s = r["delta_stats"]
         print(f"| {r['template']} | {r['side']} | {r['rule']} | " + " | ".join(cells)
-              + f" | {r['ratio_last_vs_10']} | windowed {s['windowed']}, exact {s['exact']}, "
-              f"mismatches {s['mismatches']}, unproven {s['unproven']} |")
+              + f" | {r['ratio_last_vs_10']} | {s['context_tokens']:,} | windowed {s['windowed']}, "
+              f"exact {s['exact']}, mismatches {s['mismatches']}, unproven {s['unproven']} |")
 
 
 def main(argv=None) -> dict:
