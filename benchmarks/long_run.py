@@ -15,7 +15,7 @@ what is timed is the environment side only:
   request, so they are O(history) whatever the endpoint does.
 
 Per template and side: the median cost (process CPU time; wall time in the JSON, which also
-counts waiting for a core) of the 20 calls ending at calls 10, 100 and 1,000 (those ≤
+counts waiting for a core) of the 20 calls ending at calls 10, 100, 400 and 1,000 (those ≤
 ``--calls``), the ratio last / call 10 (goal ≤ 2), and, side by side, the exact rule
 (the whole conversation rendered each call, ``DeltaChecks(windowed=False)``) up to
 ``--exact-calls`` calls. ``delta_stats`` are the format's counters (windowed, exact, checked,
@@ -48,7 +48,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmar
 from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 
 TEMPLATES = ("chatml", "llama3")
-POINTS = (10, 100, 1000)
+POINTS = (10, 100, 400, 1000)
 TOOL = {"type": "function", "function": {
     "name": "read", "description": "Read a page.",
     "parameters": {"type": "object", "properties": {"page": {"type": "integer"}},
