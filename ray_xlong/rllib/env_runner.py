@@ -42,6 +42,7 @@ from ray_xlong.cells.cell_engines import hosting
 from ray_xlong.cells.runs import RunSpec  # noqa: F401 (re-exported: what start_runs takes)
 from ray_xlong.rllib.episodes import RUN_ACTION_SPACE, RUN_OBSERVATION_SPACE, run_to_episode
 from ray_xlong.rollout import Engine, HFEngine, Harness, HarnessConfig, RunResult, load_chat_format
+from ray_xlong.rollout.engine_settings import EngineSettings
 from ray_xlong.rollout.tasks import TASKS, UnknownTaskError, make_task
 from ray_xlong.serving.agents import AGENT_TASKS, run_agent
 
@@ -73,6 +74,9 @@ class RolloutConfig:
     Learner's ``LearnerSettings.dtype`` is passed here, so both load the same weights."""
     engine_factory: EngineFactory | None = None
     """Builds the engine instead of ``backend`` (e.g. a scripted engine)."""
+    engine_settings: EngineSettings = EngineSettings()
+    """The vLLM engine's long-context settings (``max_model_len`` None: the model's own,
+    ``tensor_parallel_size``, CUDA graphs, prefix caching); ``backend="vllm"`` only."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or not self.model_dir:
@@ -88,6 +92,22 @@ class RolloutConfig:
             allowed = ("float32", "bfloat16") if self.backend == "vllm" else tuple(ENGINE_DTYPES)
             raise ValueError(f"RolloutConfig.dtype must be one of {allowed} for backend "
                              f"{self.backend!r}, got {self.dtype!r}")
+        if not isinstance(self.engine_settings, EngineSettings):
+            raise ValueError(f"RolloutConfig.engine_settings must be an EngineSettings, "
+                             f"got {self.engine_settings!r}")
+        if self.backend == "hf" and self.engine_settings.tensor_parallel_size != 1:
+            raise ValueError(f"RolloutConfig.engine_settings.tensor_parallel_size="
+                             f"{self.engine_settings.tensor_parallel_size} needs backend='vllm'"
+                             f" (the hf engine runs on one device)")
+
+
+def vllm_engine_kwargs(cfg: RolloutConfig) -> dict:
+    """``VLLMEngine`` keyword arguments of ``cfg`` (its engine settings passed through)."""
+    es = cfg.engine_settings
+    return dict(max_batch_size=cfg.max_batch_size, seed=cfg.seed, dtype=cfg.dtype,
+                max_model_len=es.max_model_len, tensor_parallel_size=es.tensor_parallel_size,
+                enforce_eager=es.enforce_eager, enable_prefix_caching=es.enable_prefix_caching,
+                gpu_memory_utilization=es.gpu_memory_utilization)
 
 
 class AgentEnvRunner(EnvRunner):
@@ -127,8 +147,7 @@ class AgentEnvRunner(EnvRunner):
         if cfg.backend == "vllm":
             from ray_xlong.rollout.vllm_engine import VLLMEngine
 
-            return VLLMEngine(cfg.model_dir, max_batch_size=cfg.max_batch_size, seed=cfg.seed,
-                              dtype=cfg.dtype)
+            return VLLMEngine(cfg.model_dir, **vllm_engine_kwargs(cfg))
         return HFEngine(cfg.model_dir, max_batch_size=cfg.max_batch_size, seed=cfg.seed,
                         dtype=ENGINE_DTYPES[cfg.dtype])
 

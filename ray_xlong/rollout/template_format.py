@@ -40,6 +40,7 @@ import numpy as np
 from ray_xlong.rollout.chat import (Action, Answer, ChatFormatError, Malformed, ToolCall,
                                     ToolCalls)
 from ray_xlong.rollout.reasoning import ReasoningParser, guess_reasoning_parser
+from ray_xlong.rollout.template_delta import DeltaChecks, DeltaStats, Seen, take_delta
 from ray_xlong.rollout.tool_calls import (PARSERS, UNSUPPORTED_CONVENTIONS, ToolCallParser,
                                          check_parser_matches, guess_tool_parser,
                                          written_calls)
@@ -59,9 +60,13 @@ class TemplateFormat:
 
     def __init__(self, tokenizer: Any, *, tool_parser: str | None = None,
                  reasoning_parser: str | None = None, where: str = "tokenizer",
-                 template_kwargs: dict | None = None, template_name: str | None = None
-                 ) -> None:
+                 template_kwargs: dict | None = None, template_name: str | None = None,
+                 delta_checks: DeltaChecks = DeltaChecks()) -> None:
+        if not isinstance(delta_checks, DeltaChecks):
+            raise ValueError(f"delta_checks must be a DeltaChecks, got {delta_checks!r}")
         self.tokenizer, self.where = tokenizer, where
+        self.delta_checks, self.delta_stats = delta_checks, DeltaStats()
+        self._delta_proofs: dict[str, dict[tuple, bool]] = {}
         self.template_kwargs = dict(template_kwargs or {})
         template = _choose_template(getattr(tokenizer, "chat_template", None), template_name,
                                     where)
@@ -236,7 +241,8 @@ class TemplateFormat:
                                   f"template where it ships one)")
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         text = self._render(messages, tools, True)
-        return TemplateConversation(self, messages, list(tools), self.encode(text), text)
+        return TemplateConversation(self, messages, list(tools), self.encode(text),
+                                    Seen(len(messages), text, (text,)))
 
     def turn_ids(self, *, calls: Sequence[ToolCall] = (), text: str = "",
                  reasoning: str = "") -> np.ndarray:
@@ -318,20 +324,28 @@ def _common_prefix(a: str, b: str) -> int:
 class TemplateConversation:
     """One agent's conversation in the template format (``chat.Conversation``).
 
-    Besides the messages, it keeps ``seen``: the text of every id the model saw (the prompt
-    and deltas as rendered, outputs as decoded), which the template's renders are checked
-    against (``rewrites``).
+    Besides the messages, it keeps what the model saw (:class:`~ray_xlong.rollout.template_delta
+    .Seen`: the prompt and deltas as rendered, outputs as decoded, in chunks), which the
+    template's renders are checked against (``rewrites``); deltas are rendered from a window
+    (``template_delta.py``).
     """
 
     def __init__(self, fmt: TemplateFormat, messages: list[dict], tools: list[dict],
-                 prompt_ids: np.ndarray, seen: str) -> None:
+                 prompt_ids: np.ndarray, seen: Seen) -> None:
         self.fmt, self.messages, self.tools, self.prompt_ids = fmt, messages, tools, prompt_ids
-        self.seen, self.prompt_text = seen, seen
+        self._seen, self._prompt_seen = seen, seen
         self.rewrites = 0
+        self._probe: dict | None = None
+        self._cached: tuple | None = None
         self._pending: list[dict] = []
         self._ids: list[str] = []
         self._open = False
         self._calls = 0
+
+    @property
+    def seen(self) -> str:
+        """The text of every id the model saw (O(n): for inspection)."""
+        return self._seen.text()
 
     def parse(self, output_ids: np.ndarray) -> Action:
         ids = [int(t) for t in output_ids]
@@ -378,7 +392,8 @@ class TemplateConversation:
     def add_output(self, output_ids: np.ndarray, action: Action) -> None:
         ids = np.asarray(output_ids)
         self._open = not (ids.size and int(ids[-1]) in self.fmt.stop_token_ids)
-        self.seen += self.fmt.decode(ids)
+        self._seen = self._seen.with_output(self.fmt.decode(ids), len(self.messages))
+        self._cached = None
         self._ids = []
         if isinstance(action, ToolCalls):
             self._ids = self._call_ids(action)
@@ -402,6 +417,7 @@ class TemplateConversation:
             self._pending.append({"role": "tool", "content": body,
                                   "tool_call_id": self._ids[i]})
             cut += int(truncated)
+        self._cached = None
         return cut
 
     def delta(self, *, summarize: bool = False, commit: bool = True) -> np.ndarray:
@@ -409,21 +425,26 @@ class TemplateConversation:
                                else [])
         if not new:
             return np.zeros(0, np.int64)
-        seen = self.seen + (self.fmt.end_text if self._open else "")
-        text, rewrite = self.fmt.delta_text(self.messages, new, self.tools, seen)
-        ids = self.fmt.encode(text)
-        if self._open:
-            ids = np.concatenate([[self.fmt.end_id], ids]).astype(np.int64)
+        key = (summarize, len(self._pending))
+        if self._cached is not None and self._cached[0] == key:
+            delta, ids = self._cached[1:]                # computed by a delta(commit=False)
+        else:
+            delta = take_delta(self.fmt, self.messages, new, self.tools, self._seen,
+                               open=self._open, probe=self._probe)
+            ids = self.fmt.encode(delta.text)
+            if self._open:
+                ids = np.concatenate([[self.fmt.end_id], ids]).astype(np.int64)
+            self._cached = (key, delta, ids)
         if commit:
-            self.rewrites += int(rewrite)
+            self.rewrites += int(delta.rewrite)
             self.messages = self.messages + new
-            self.seen = seen + text
-            self._pending, self._open = [], False
+            self._seen = delta.seen
+            self._pending, self._open, self._cached = [], False, None
         return ids
 
     def compacted(self, summary_ids: np.ndarray) -> tuple[np.ndarray, "TemplateConversation"]:
         conv = TemplateConversation(self.fmt, self.messages[:2], self.tools, self.prompt_ids,
-                                    self.prompt_text)
+                                    self._prompt_seen)
         conv._calls = self._calls
         summary = np.asarray(summary_ids)
         action = conv.parse(summary)

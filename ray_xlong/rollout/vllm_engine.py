@@ -53,6 +53,7 @@ import torch
 
 from ray_xlong.rollout.batching import BatchingEngine, StepResult
 from ray_xlong.rollout.engine import SamplingConfig
+from ray_xlong.rollout.engine_settings import EngineSettings, eager, resolve_max_model_len
 
 
 def vllm_available() -> bool:
@@ -69,13 +70,20 @@ _set_num_threads = torch._C.set_num_threads
 has bound its threads, so a worker thread could not match the bound count through it."""
 
 
-def engine_args(model_dir: str | pathlib.Path, *, seed: int, dtype: str, max_model_len: int,
-                tensor_parallel_size: int, cuda: bool, gpu_memory_utilization: float
-                ) -> dict:
-    """``vllm.LLM`` keyword arguments (pure; the module docstring says why each)."""
+def engine_args(model_dir: str | pathlib.Path, *, seed: int, dtype: str,
+                max_model_len: int | None, tensor_parallel_size: int, cuda: bool,
+                gpu_memory_utilization: float, enforce_eager: bool | None = None,
+                enable_prefix_caching: bool = True) -> dict:
+    """``vllm.LLM`` keyword arguments (pure; the module docstring says why each).
+
+    ``max_model_len`` None: the model's own (``engine_settings.resolve_max_model_len``: above
+    the model's is refused naming both); ``enforce_eager`` None: CUDA graphs on GPU, eager on
+    CPU."""
+    max_model_len = resolve_max_model_len(model_dir, max_model_len,
+                                          field="VLLMEngine.max_model_len")
     args = dict(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype,
-                enable_prefix_caching=True, max_model_len=max_model_len, seed=seed,
-                enforce_eager=True,
+                enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                seed=seed, enforce_eager=eager(enforce_eager, cuda=cuda),
                 # a batch of many template prompts passes vLLM's default 4096-token step
                 # budget; its chunked-prefill step then failed on CPU (engine hung, seen with
                 # 128 × 77-token ChatML prompts): prefill them whole
@@ -140,16 +148,18 @@ class VLLMEngine(BatchingEngine):
     """vLLM engine over a model directory (see module docstring)."""
 
     def __init__(self, model_dir: str | pathlib.Path, *, max_batch_size: int = 64,
-                 seed: int = 0, dtype: str = "float32", max_model_len: int = 4096,
+                 seed: int = 0, dtype: str = "float32", max_model_len: int | None = None,
                  kv_cache_gib: int = 1, sleep_level: int = 1,
                  gpu_memory_utilization: float = 0.4, tensor_parallel_size: int = 1,
-                 load_bucket_mb: float = 256.0) -> None:
+                 load_bucket_mb: float = 256.0, enforce_eager: bool | None = None,
+                 enable_prefix_caching: bool = True) -> None:
         """Args:
             model_dir: a directory written by ``ray_xlong.models.build_tiny_model_dir``.
             max_batch_size: most requests generating at once (vLLM's running batch).
             seed: engine seed (per-request seeds are drawn from it when not given).
             dtype: model dtype (``float32`` to match the HF backend's logprobs).
-            max_model_len: longest context.
+            max_model_len: longest context; None: the model's (``config.json``
+                ``max_position_embeddings``); above the model's is refused (both named).
             kv_cache_gib: CPU KV-cache size (``VLLM_CPU_KVCACHE_SPACE``).
             sleep_level: ``llm.sleep`` level on CUDA (1: weights offloaded to CPU, 2: dropped;
                 new weights are loaded at wake-up either way).
@@ -158,6 +168,8 @@ class VLLMEngine(BatchingEngine):
             tensor_parallel_size: GPUs of this engine (vLLM's multiprocessing executor when
                 > 1; the process must see that many CUDA devices).
             load_bucket_mb: most MB of weights per message to vLLM's workers during an update.
+            enforce_eager: True: no CUDA graphs; None: CUDA graphs on GPU, eager on CPU.
+            enable_prefix_caching: vLLM's prefix cache (on: a run's calls share prefixes).
         """
         _check_args(sleep_level, tensor_parallel_size, load_bucket_mb)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -169,7 +181,11 @@ class VLLMEngine(BatchingEngine):
                                  max_model_len=max_model_len,
                                  tensor_parallel_size=tensor_parallel_size,
                                  cuda=self._sleep_mode,
-                                 gpu_memory_utilization=gpu_memory_utilization)
+                                 gpu_memory_utilization=gpu_memory_utilization,
+                                 enforce_eager=enforce_eager,
+                                 enable_prefix_caching=enable_prefix_caching)
+        self.max_model_len = int(self._args["max_model_len"])
+        """The longest context (resolved against the model's config)."""
         self.sleep_level, self.tensor_parallel_size = sleep_level, tensor_parallel_size
         self.load_bucket_mb = load_bucket_mb
         self.llm = None
@@ -319,17 +335,37 @@ class VLLMEngineMaker:
     """``VLLMEngine.max_batch_size``."""
     dtype: str = "bfloat16"
     """``VLLMEngine.dtype``."""
-    max_model_len: int = 4096
-    """``VLLMEngine.max_model_len``."""
+    max_model_len: int | None = None
+    """``VLLMEngine.max_model_len`` (None: the model's own)."""
     sleep_level: int = 1
     """``VLLMEngine.sleep_level``."""
     gpu_memory_utilization: float = 0.4
     """``VLLMEngine.gpu_memory_utilization``."""
     load_bucket_mb: float = 256.0
     """``VLLMEngine.load_bucket_mb``."""
+    enforce_eager: bool | None = None
+    """``VLLMEngine.enforce_eager`` (None: CUDA graphs on GPU, eager on CPU)."""
+    enable_prefix_caching: bool = True
+    """``VLLMEngine.enable_prefix_caching``."""
 
     def __post_init__(self) -> None:
         _check_args(self.sleep_level, 1, self.load_bucket_mb)
+        EngineSettings(max_model_len=self.max_model_len, enforce_eager=self.enforce_eager,
+                       enable_prefix_caching=self.enable_prefix_caching,
+                       gpu_memory_utilization=self.gpu_memory_utilization)
+        resolve_max_model_len(self.model_dir, self.max_model_len,
+                              field="VLLMEngineMaker.max_model_len")
+
+    @classmethod
+    def from_settings(cls, model_dir: str, settings: EngineSettings, *, seed: int = 0,
+                      max_batch_size: int = 64, dtype: str = "bfloat16") -> "VLLMEngineMaker":
+        """A maker carrying ``settings`` (its ``tensor_parallel_size`` is the layout's:
+        ``EngineLayout.tensor_parallel_size`` is what the actors call ``make`` with)."""
+        return cls(model_dir, seed=seed, max_batch_size=max_batch_size, dtype=dtype,
+                   max_model_len=settings.max_model_len,
+                   gpu_memory_utilization=settings.gpu_memory_utilization,
+                   enforce_eager=settings.enforce_eager,
+                   enable_prefix_caching=settings.enable_prefix_caching)
 
     def __call__(self, index: int, tensor_parallel_size: int) -> VLLMEngine:
         return VLLMEngine(self.model_dir, max_batch_size=self.max_batch_size,
@@ -337,7 +373,8 @@ class VLLMEngineMaker:
                           max_model_len=self.max_model_len, sleep_level=self.sleep_level,
                           gpu_memory_utilization=self.gpu_memory_utilization,
                           tensor_parallel_size=tensor_parallel_size,
-                          load_bucket_mb=self.load_bucket_mb)
+                          load_bucket_mb=self.load_bucket_mb, enforce_eager=self.enforce_eager,
+                          enable_prefix_caching=self.enable_prefix_caching)
 
 
 def _check_args(sleep_level: int, tensor_parallel_size: int, load_bucket_mb: float) -> None:

@@ -44,8 +44,8 @@ from ray_xlong.rollout.chat import ChatFormatError
 from ray_xlong.rollout.engine import Engine, GenerateResult, SamplingConfig
 from ray_xlong.rollout.template_format import TemplateFormat
 from ray_xlong.serving import responses
-from ray_xlong.serving.messages import AGENT_HEADER, MessageError, normalize, parse_agent_header
-from ray_xlong.serving.prompts import AgentContext, build_prompt
+from ray_xlong.serving.messages import AGENT_HEADER, MessageError, parse_agent_header
+from ray_xlong.serving.prompts import build_prompt, next_context, normalize_request
 from ray_xlong.serving.runs import (Draining, LiveRun, NoCallError, OverBudget, RunLimits,
                                     RunNotFound, RunRegistry)
 from ray_xlong.trajectory.recording import run_records
@@ -267,8 +267,9 @@ class Endpoint:
             raise HTTPError(400, f"this model cannot chat: {self.chat_error}; use completions")
         tools = tuple(t.model_dump(mode="json", exclude_none=True) for t in req.tools or ())
         try:
-            messages = normalize(body["messages"])     # as sent: the schema passed (above)
-            prompt = build_prompt(self.fmt, run.agents.get(tag.agent_id), messages, tools)
+            previous = run.agents.get(tag.agent_id)     # as sent: the schema passed (above)
+            messages = normalize_request(body["messages"], previous)
+            prompt = build_prompt(self.fmt, previous, messages, tools)
         except (MessageError, ChatFormatError) as exc:
             raise HTTPError(400, str(exc)) from None
         run.validated[tag.agent_id] = body["messages"]
@@ -285,11 +286,8 @@ class Endpoint:
         run.rewrites += int(prompt.rewrite)
         if tag.agent_id == "main":
             run.last_answer = turn.content
-        out = np.asarray(result.output_ids, np.int64)
-        run.agents[tag.agent_id] = AgentContext(
-            tuple(messages) + (turn.normal_form(),), tools,
-            np.concatenate([prompt.ids, out]),
-            not (out.size and int(out[-1]) in self.fmt.stop_token_ids))
+        run.agents[tag.agent_id] = next_context(self.fmt, prompt, messages, turn.normal_form(),
+                                                tools, result.output_ids, body["messages"])
         body = responses.chat_response(self.fmt, model=self.config.model_name,
                                        prompt_ids=prompt.ids, result=result, turn=turn,
                                        logprobs=bool(req.logprobs),

@@ -23,13 +23,13 @@ import threading
 from typing import Any
 
 from ray_xlong.serving.app import Endpoint, EndpointConfig
-from ray_xlong.serving.server import Server, ThreadedEndpoint, build_endpoint, start_server
+from ray_xlong.serving.server import (Server, ThreadedEndpoint, build_endpoint,
+                                      endpoint_max_len, start_server)
 
 
 async def attach(engine: Any, model_dir: str, *, host: str = "127.0.0.1", port: int = 0
                  ) -> tuple[Endpoint, Server]:
     """An endpoint on a cell's existing ``engine`` (call on the engine's loop)."""
-    import json
     import pathlib
 
     from ray_xlong.models.build import load_tokenizer
@@ -42,9 +42,8 @@ async def attach(engine: Any, model_dir: str, *, host: str = "127.0.0.1", port: 
         fmt, chat_error = load_chat_format(path), None
     except ChatFormatError as exc:                   # completions only; chat says why
         fmt, chat_error = None, str(exc)
-    conf = json.loads((path / "config.json").read_text())
     config = EndpointConfig(model_name=path.name,
-                            max_model_len=int(conf.get("max_position_embeddings", 4096)))
+                            max_model_len=endpoint_max_len(path, engine))
     endpoint = Endpoint(engine, tokenizer=load_tokenizer(path),
                         fmt=fmt if isinstance(fmt, TemplateFormat) else None, config=config,
                     chat_error=chat_error)

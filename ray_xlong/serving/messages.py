@@ -92,10 +92,11 @@ def _arguments(raw: Any, where: str) -> Any:
     return raw
 
 
-def normalize(messages: Iterable[Any]) -> list[dict]:
-    """Messages in the normal form described in the module docstring."""
+def normalize(messages: Iterable[Any], *, start: int = 0) -> list[dict]:
+    """Messages in the normal form described in the module docstring (``start``: the index of
+    the first, for error messages)."""
     out = []
-    for i, msg in enumerate(messages):
+    for i, msg in enumerate(messages, start):
         where = f"messages[{i}]"
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise MessageError(f"{where}: a message is an object with a role")

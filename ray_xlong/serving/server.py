@@ -17,7 +17,6 @@ body leave in one write (:class:`_Coalescing`; uvicorn writes the head apart).
 from __future__ import annotations
 
 import asyncio
-import json
 import pathlib
 import socket
 import threading
@@ -144,12 +143,23 @@ def build_endpoint(model_dir: str | pathlib.Path, *, engine: str = "hf", seed: i
     else:
         raise ValueError(f"engine must be 'hf' or 'vllm', got {engine!r}")
     if config is None:
-        conf = json.loads((path / "config.json").read_text())
         config = EndpointConfig(model_name=path.name,
-                                max_model_len=int(conf.get("max_position_embeddings", 4096)))
+                                max_model_len=endpoint_max_len(path, eng))
     return Endpoint(eng, tokenizer=tokenizer,
                     fmt=fmt if isinstance(fmt, TemplateFormat) else None, config=config,
                     chat_error=chat_error)
+
+
+def endpoint_max_len(model_dir: pathlib.Path, engine: Any) -> int:
+    """The endpoint's longest context: the engine's (a vLLM engine resolved it against the
+    model), else the model's (``config.json``); a model that states none is an error naming
+    ``EndpointConfig.max_model_len`` (never a silent default)."""
+    from ray_xlong.rollout.engine_settings import resolve_max_model_len
+
+    known = getattr(engine, "max_model_len", None)
+    if isinstance(known, int):
+        return known
+    return resolve_max_model_len(model_dir, None, field="EndpointConfig.max_model_len")
 
 
 class ThreadedEndpoint:
