@@ -56,6 +56,7 @@ from ray_xlong.checks import is_int as _is_int
 from ray_xlong.rllib import results as rx_results
 from ray_xlong.rllib.evaluation import attach as attach_evaluation, eval_tasks
 from ray_xlong.rllib.options import (AGENT_LR, RECIPE_HARNESS, RECIPE_LR, XLongOptions)
+from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.cells.stepping import StepReport, SteppingActuator
 from ray_xlong.rollout import HarnessConfig
 from ray_xlong.rollout.tasks import TaskFactory
@@ -117,7 +118,8 @@ class XLongAlgorithm(Algorithm):
                              spool_dir=self.job.spool_dir,
                              tasks={**self.job.work.tasks(), **eval_tasks(opt)},
                              agent_tasks=self.job.work.agent_tasks(),
-                             learner_connector=self.config._learner_connector)
+                             learner_connector=self.config._learner_connector,
+                             sharding=self.job.sharding)
         self.pool = create_cells(self.job.layout, actors=actors)
         self.actuator: SteppingActuator | None = None
         self.policy_version = 0
@@ -326,7 +328,9 @@ class XLongConfig(AlgorithmConfig):
               eval_samples: int | None = NotProvided,
               eval_pass_threshold: float = NotProvided, model_dir: str = NotProvided,
               dtype: str = NotProvided, loss: LossConfig = NotProvided, pack: str = NotProvided,
-              normalize_std: bool = NotProvided, harness: HarnessConfig = NotProvided,
+              normalize_std: bool = NotProvided, sharding: ShardingSettings = NotProvided,
+              context_parallel: int = NotProvided, attn_implementation: str | None = NotProvided,
+              harness: HarnessConfig = NotProvided,
               max_steps: int = NotProvided, poll_s: float = NotProvided,
               spool_dir: str = NotProvided) -> "XLongConfig":
         """Set xlong options (fields of :class:`XLongOptions`; validated here). Returns self."""
@@ -422,7 +426,9 @@ class XLongConfig(AlgorithmConfig):
         learner = LearnerSettings(model_dir=self.policy_model_dir, lr=float(self.lr),
                                   loss=opt.loss, dtype=cfg.get("dtype", opt.dtype),
                                   micro_batch_tokens=opt.micro_batch_tokens,
-                                  grad_clip=self.grad_clip)
+                                  grad_clip=self.grad_clip,
+                                  context_parallel=opt.context_parallel,
+                                  attn_implementation=opt.attn_implementation)
         return CellJobConfig(
             mode=opt.mode,
             job=SchedulingConfig(opt.max_steps, self.groups_per_step, opt.runs_per_group,
@@ -437,4 +443,4 @@ class XLongConfig(AlgorithmConfig):
             harness=opt.harness,
             processor=ProcessorConfig(max_trajectories_per_run=opt.max_trajectories_per_run,
                                       pack=opt.pack, normalize_std=opt.normalize_std),
-            poll_s=opt.poll_s, spool_dir=opt.spool_dir)
+            poll_s=opt.poll_s, spool_dir=opt.spool_dir, sharding=opt.sharding)
