@@ -300,7 +300,11 @@ def create_cells(layout: CellLayout, *, actors: CellActors,
     def spawn(index: int, pg: Any, which: str) -> Any:
         actor = _start_actor(index, pg, which, layout, actors, held[index], pins.get(index))
         if which == "learner" and learner_holds_gpus(layout, actors):
-            pins[index] = ",".join(learner_gpu_ids(actor, layout, actors))
+            try:         # a replaced learner on a lost node: keep the pin, replace() times out
+                pins[index] = ",".join(learner_gpu_ids(actor, layout, actors,
+                                                       timeout_s=ready_timeout_s))
+            except ray.exceptions.GetTimeoutError:
+                pass
         return actor
 
     learners = [spawn(c, pg, "learner") for c, pg in enumerate(pgs)]   # first: the runner is
@@ -352,7 +356,8 @@ def learner_holds_gpus(layout: CellLayout, actors: CellActors) -> bool:
     return layout.gpus_per_node > 0 and not actors.engine_actors
 
 
-def learner_gpu_ids(learner: Any, layout: CellLayout, actors: CellActors) -> list[str]:
+def learner_gpu_ids(learner: Any, layout: CellLayout, actors: CellActors, *,
+                    timeout_s: float | None = None) -> list[str]:
     """Ray GPU ids the Learner holds on bundle 0 (every rank there: ``ray.get_gpu_ids()``
     inside it), sorted."""
     if isinstance(learner, ShardedCell):
@@ -361,7 +366,7 @@ def learner_gpu_ids(learner: Any, layout: CellLayout, actors: CellActors) -> lis
         ranks = learner.ranks[:per]
     else:
         ranks = [learner]
-    ids = ray.get([r.__ray_call__.remote(_held_gpu_ids) for r in ranks])
+    ids = ray.get([r.__ray_call__.remote(_held_gpu_ids) for r in ranks], timeout=timeout_s)
     return sorted({i for rank_ids in ids for i in rank_ids}, key=lambda i: (len(i), i))
 
 
