@@ -17,7 +17,9 @@ RLlib's thread)::
 How long training waits: the round runs while the cells go on. Sequentially, :func:`evaluate`
 ticks the cell loop itself until the round ended: runs start and end, micro-batches of the next
 step train, only the *application* of a complete next step waits for the round's last runs
-(``RayActuator.hold_step_finish``; ``eval_wait_s`` is that wall time). In parallel the training
+(``RayActuator.hold_step_finish``; ``eval_wait_s`` is that wall time) — unless every cell is
+training (colocated), when the step is applied so the cells come back to rollout (the next
+``train()`` then reports it at once: ``SteppingActuator.next_step``). In parallel the training
 thread ticks; once its step is done :func:`evaluate` ticks the same way. A cell that leaves
 rollout cancels its evaluation runs (they start again on another rollout cell): evaluation never
 delays a role switch. ``evaluation_sample_timeout_s`` bounds a round: past it the round reports
@@ -161,6 +163,16 @@ def attach(algo: Any) -> None:
     algo.actuator.actuator.evals = cell_evaluation(algo).runs
 
 
+def can_host(act: Any) -> bool:
+    """Whether a cell not retired is out of training (in rollout, or on its way back there):
+    only then is holding a complete step worth it. When every cell trains (colocated), the
+    step is applied so that cells return to rollout and the round can go on."""
+    from ray_xlong.scheduling import Role
+
+    return any(role is not Role.TRAINING and c not in act.retired
+               for c, role in enumerate(act.m.role))
+
+
 def evaluate(algo: Any, parallel_train_future: Any = None) -> dict[str, Any]:
     """One round (module docstring) on ``algo``'s rollout cells. Returns RLlib's
     ``evaluation`` block (``{"env_runners": {...}}``)."""
@@ -179,7 +191,7 @@ def evaluate(algo: Any, parallel_train_future: Any = None) -> dict[str, Any]:
             attach(algo)
         act = algo.actuator.actuator
         t = time.perf_counter()
-        act.hold_step_finish = True
+        act.hold_step_finish = can_host(act)
         try:
             act.tick()
         finally:
