@@ -79,3 +79,39 @@ def test_the_single_learner_holds_its_cells_gpu(logical_gpus, model_dir):
         assert algo.train()["xlong"]["policy_version"] == 1
     finally:
         algo.stop()
+
+
+def test_xlong_and_enable_carry_the_sharding_and_device_settings():
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    from ray_xlong.rllib.enable import enable
+
+    sharding = ShardingSettings(ranks_per_cell=4, device="cuda", mixed_precision="bf16")
+    for config in (small_config("/m").xlong(gpus_per_node=4, sharding=sharding,
+                                            context_parallel=2, attn_implementation="sdpa"),
+                   enable(PPOConfig().training(lr=1e-5), model_dir="/m", gpus_per_node=4,
+                          sharding=sharding, context_parallel=2, attn_implementation="sdpa")):
+        job = config.job_config(group_offset=0)
+        assert job.sharding == sharding and job.layout.gpus_per_node == 4
+        assert (job.learner.context_parallel, job.learner.attn_implementation) == (2, "sdpa")
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    pytest.param(dict(sharding={"ranks_per_cell": 2}), "sharding", id="not-a-record"),
+    pytest.param(dict(context_parallel=0), "context_parallel", id="cp-0"),
+    pytest.param(dict(attn_implementation="fast"), "attn_implementation", id="attention"),
+])
+def test_bad_learner_settings_name_the_field(kwargs, field):
+    from ray_xlong.rllib.algorithm_config import XLongConfig
+
+    with pytest.raises(ValueError, match=f"XLongOptions.{field}"):
+        XLongConfig().xlong(model_dir="/m", **kwargs)
+
+
+def test_a_rank_count_the_cells_gpus_cannot_hold_is_refused_before_anything_starts():
+    from ray_xlong.cells.sharding import ShardingError
+
+    config = small_config("/m").xlong(gpus_per_node=2,
+                                      sharding=ShardingSettings(ranks_per_cell=4, device="cuda"))
+    with pytest.raises(ShardingError, match="ranks_per_cell=4"):
+        config.validate()
