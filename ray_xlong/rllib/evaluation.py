@@ -131,8 +131,18 @@ class CellEvaluation:
         return round_
 
 
+_BUILD = threading.Lock()
+"""One :class:`CellEvaluation` per algorithm, even when RLlib's evaluation thread and the
+training thread ask for it at once."""
+
+
 def cell_evaluation(algo: Any) -> CellEvaluation:
     """``algo``'s :class:`CellEvaluation`, built on first use from its config."""
+    with _BUILD:
+        return _cell_evaluation(algo)
+
+
+def _cell_evaluation(algo: Any) -> CellEvaluation:
     if algo._evaluation is None:
         opt, cfg = algo.config.xlong_options, algo.evaluation_config
         duration = cfg.evaluation_duration
