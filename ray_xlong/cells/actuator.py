@@ -42,6 +42,7 @@ from typing import Any, Sequence
 from ray_xlong.cells import checkpoint
 from ray_xlong.cells.broadcast import broadcast_sync
 from ray_xlong.cells.config import CellJobConfig
+from ray_xlong.cells.eval_runs import EvalRuns
 from ray_xlong.cells.job_state import INF, JobState
 from ray_xlong.cells.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
                                            plan_step)
@@ -89,6 +90,11 @@ class RayActuator:
         self.injector: Any = None
         """Optional ``tick(actuator)`` called once per loop (``faults.FaultInjector``)."""
         self.sync = broadcast_sync(config)  # BroadcastWeights, or None: the object store
+        self.evals = EvalRuns()
+        """Evaluation runs on rollout cells (``eval_runs.py``); never trained."""
+        self.hold_step_finish = False
+        """While True a complete step is not applied (its micro-batches still train): set by
+        an evaluation that ticks the loop while it waits for its round's last runs."""
 
     def now(self) -> float:
         return self.state.now()
@@ -202,6 +208,7 @@ class RayActuator:
         self.recovery.check_retired()
         self.train()
         self.act()
+        self.place_eval()
 
     def rcall(self, cell: int, method: str, *args: Any):
         """Call a role method of ``cell``'s runner after its previous one (Ray does not order
@@ -235,6 +242,8 @@ class RayActuator:
             except s.ray.Error as exc:
                 if not s.ray.lost(exc):
                     raise CellActorDied(f"cell {p.cell}: {p.kind} failed: {exc}") from exc
+                if p.kind == "eval":  # recovered through the runner's other refs; its
+                    continue          # evaluation runs are queued again (place_eval)
                 if p.kind == "micro" and s.ray.alive(self.cells[p.cell].learner):
                     self._train_again(p.cell)  # its runs' payload went with a node
                     continue
@@ -245,6 +254,32 @@ class RayActuator:
     def _on_ended(self, p: Pending, digests: list[RunDigest]) -> None:
         self.deliver(p.cell, digests, p.payload)
         self.watch_runs(p.cell)
+        if self.evals.live_on(p.cell):  # evaluation runs end there too: ask for them
+            ref = self.cells[p.cell].runner.take_eval.remote()
+            self.state.pending[ref] = Pending("eval", p.cell, self.now())
+
+    def _on_eval(self, p: Pending, report: Any) -> None:
+        self.evals.report(p.cell, report)
+
+    # -- evaluation runs (eval_runs.py) ------------------------------------------------------
+    def place_eval(self) -> None:
+        """Queued evaluation runs to cells in rollout (ready, not retired), at most
+        ``slots_per_cell`` live on a cell; live ones of a replaced or retired runner are
+        queued again first."""
+        s, ev = self.state, self.evals
+        for cell in ev.cells():
+            if cell in s.retired or ev.runner(cell) is not self.cells[cell].runner:
+                ev.lost(cell)
+        if not ev.queue:
+            return
+        for cell, role in enumerate(s.m.role):
+            if role is not Role.ROLLOUT or s.m.ready_at[cell] == INF or cell in s.retired:
+                continue
+            specs = ev.take_queued(cell, self.cfg.slots_per_cell - ev.live_on(cell))
+            if specs:
+                ev.placed(cell, specs, runner=self.cells[cell].runner, role=role.value)
+                ref = self.rcall(cell, "start_eval_runs", specs)
+                s.pending[ref] = Pending("started", cell, self.now())
 
     def deliver(self, cell: int, digests: Sequence[RunDigest], payload: Any, *,
                 payload_cell: int | None = None) -> None:
@@ -346,7 +381,8 @@ class RayActuator:
         if s.queue or s.in_flight:
             s.m.set_starved(False, s.now())
         elif s.m.step_groups == s.cfg.job.batch_groups:
-            self._finish_step()
+            if not self.hold_step_finish:
+                self._finish_step()
         else:
             s.m.set_starved(True, s.now())
 

@@ -3,7 +3,7 @@
 ```
 cell c = placement group, strategy STRICT_SPREAD (one bundle per node) or PACK
   bundle 0 {CPU: cpus_per_bundle, GPU: gpus_per_node [, learner_resource: 1]}  ◄─ runner
-  bundle 1 … nodes_per_cell-1 (the cell's other nodes)                               learner
+  bundle 1 … nodes_per_cell-1 (the cell's other nodes)                  learner (its GPUs)
   with engine actors (CellActors.engine_actors): the runner starts one actor per engine on
   the cell's bundles (cells/engine_actors.py); they hold the GPUs, the runner none
 ```
@@ -12,15 +12,18 @@ Which classes the runner and the learner are is not this module's business: a
 :class:`CellActors` names them (the RLlib adapter's ``CellRunner`` / ``XLongLearner``, see
 ``ray_xlong.rllib.cell_actors``), so the runtime needs no RLlib.
 
-Both actors of a cell share bundle 0 (half its CPUs each; the runner takes the bundle's GPUs,
-unless its engines are actors of their own: then they take them).
-The Learner never asks for "GPU" on a host without CUDA (RLlib's NCCL path fails on logical
-GPUs): it takes CPU from the bundle, or ``learner_resource`` when one is configured. With
-``ShardingSettings.device='cuda'`` the learner is a ``ShardedCell`` (NCCL, one CUDA device a
-rank: ``sharding.rank_placements``); :func:`create_cells` first probes bundle 0 of every cell
-(every bundle, with engine actors) with a task holding its GPUs: no CUDA device there (logical
-GPUs) is a ``ShardingError`` naming the field before any actor starts; the ids found are the
-GPUs the ranks of those bundles are pinned to. A role
+Both actors of a cell share bundle 0 (half its CPUs each). The Learner holds the bundle's
+GPUs in Ray's accounting (``ray.get_gpu_ids()`` inside it names them; a ``ShardedCell``'s ranks
+hold their bundles' GPUs, ``sharding.rank_placements``) and the runner, which time-shares them
+(its engines sleep while the cell trains), asks Ray for none and is pinned to them by
+``CUDA_VISIBLE_DEVICES`` (:func:`learner_holds_gpus`). With engine actors those hold the GPUs
+instead and the ranks are pinned to them. The request is real on logical GPUs too: the torch
+device is ``ShardingSettings.device`` (an unsharded Learner, RLlib's, computes on CPU), so a
+CPU Learner holding logical GPUs never tries NCCL. With ``ShardingSettings.device='cuda'`` the
+learner is a ``ShardedCell`` (NCCL, one CUDA device a rank); :func:`create_cells` first probes
+bundle 0 of every cell (every bundle, with engine actors) with a task holding its GPUs: no CUDA
+device there (logical GPUs) is a ``ShardingError`` naming the field before any actor starts;
+with engine actors the ids found are the GPUs the ranks are pinned to. A role
 switch sleeps one actor and wakes the other; placement groups are never created after
 :func:`create_cells` (``CellPool.placement_groups_created`` counts them).
 
@@ -40,7 +43,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_xlong.cells.ray_edge import actor_lost
 from ray_xlong.cells.sharded import BatchOf, ShardedCell, kill, start_sharded_cell
-from ray_xlong.cells.sharding import ShardingError, ShardingSettings
+from ray_xlong.cells.sharding import ShardingError, ShardingSettings, ranks_per_bundle
 
 if TYPE_CHECKING:  # annotations only
     from ray.actor import ActorHandle
@@ -137,8 +140,8 @@ class CellActors:
     """
 
     runner_class: type[Runner]
-    """Built as ``runner_class(cell=index, **runner_kwargs)`` (half the bundle's CPUs, its
-    logical GPUs)."""
+    """Built as ``runner_class(cell=index, **runner_kwargs)`` (half the bundle's CPUs; no Ray
+    GPU: pinned to the ones its Learner holds)."""
     runner_kwargs: Mapping[str, Any]
     """Constructor arguments of every cell's runner."""
     learner_class: type[Learner]
@@ -289,13 +292,23 @@ def create_cells(layout: CellLayout, *, actors: CellActors,
         raise LayoutError(f"CellLayout: {layout.cells} placement groups of "
                           f"{layout.nodes_per_cell} × {layout.bundle()} not placed within "
                           f"{ready_timeout_s:g} s") from None
-    gpu_ids = _probe_cuda(pgs, layout, all_bundles=actors.engine_actors) \
-        if actors.sharded and actors.sharding.device == "cuda" else [() for _ in pgs]
+    probed = _probe_cuda(pgs, layout, all_bundles=actors.engine_actors) \
+        if actors.sharded and actors.sharding.device == "cuda" else None
+    held = probed if probed is not None and actors.engine_actors else [() for _ in pgs]
+    pins: dict[int, str | None] = {}
 
     def spawn(index: int, pg: Any, which: str) -> Any:
-        return _start_actor(index, pg, which, layout, actors, gpu_ids[index])
+        actor = _start_actor(index, pg, which, layout, actors, held[index], pins.get(index))
+        if which == "learner" and learner_holds_gpus(layout, actors):
+            try:         # a replaced learner on a lost node: keep the pin, replace() times out
+                pins[index] = ",".join(learner_gpu_ids(actor, layout, actors,
+                                                       timeout_s=ready_timeout_s))
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return actor
 
-    cells = [Cell(c, pg, spawn(c, pg, "runner"), spawn(c, pg, "learner"))
+    learners = [spawn(c, pg, "learner") for c, pg in enumerate(pgs)]   # first: the runner is
+    cells = [Cell(c, pg, spawn(c, pg, "runner"), learners[c])          # pinned to their GPUs
              for c, pg in enumerate(pgs)]
     ray.get([cell.learner.build.remote() for cell in cells])
     ray.get([cell.runner.num_live_runs.remote() for cell in cells])
@@ -336,22 +349,53 @@ def _bundle_gpus() -> tuple[list[str], int]:
     return [str(i) for i in ray.get_gpu_ids()], torch.cuda.device_count()
 
 
+def learner_holds_gpus(layout: CellLayout, actors: CellActors) -> bool:
+    """Whether a cell's Learner (its ranks) holds bundle 0's GPUs in Ray's accounting: when
+    the bundles have GPUs and the runner hosts the engines (engine actors hold them
+    otherwise)."""
+    return layout.gpus_per_node > 0 and not actors.engine_actors
+
+
+def learner_gpu_ids(learner: Any, layout: CellLayout, actors: CellActors, *,
+                    timeout_s: float | None = None) -> list[str]:
+    """Ray GPU ids the Learner holds on bundle 0 (every rank there: ``ray.get_gpu_ids()``
+    inside it), sorted."""
+    if isinstance(learner, ShardedCell):
+        per = ranks_per_bundle(actors.sharding, nodes_per_cell=layout.nodes_per_cell,
+                               gpus_per_node=layout.gpus_per_node)
+        ranks = learner.ranks[:per]
+    else:
+        ranks = [learner]
+    ids = ray.get([r.__ray_call__.remote(_held_gpu_ids) for r in ranks], timeout=timeout_s)
+    return sorted({i for rank_ids in ids for i in rank_ids}, key=lambda i: (len(i), i))
+
+
+def _held_gpu_ids(actor: Any) -> list[str]:
+    return [str(i) for i in ray.get_gpu_ids()]
+
+
 def _start_actor(index: int, pg: Any, which: str, layout: CellLayout,
-                 actors: CellActors, gpu_ids: Sequence[Sequence[str]] = ()) -> Any:
-    """Start cell ``index``'s runner or learner on bundle 0 of ``pg`` (not waiting for it)."""
+                 actors: CellActors, gpu_ids: Sequence[Sequence[str]] = (),
+                 pin: str | None = None) -> Any:
+    """Start cell ``index``'s runner or learner on bundle 0 of ``pg`` (not waiting for it).
+    The learner asks for bundle 0's GPUs (``learner_holds_gpus``; a sharded one's ranks ask
+    for theirs, ``sharding.rank_placements``); the runner asks for none and, given ``pin``,
+    sees those GPUs (``CUDA_VISIBLE_DEVICES``)."""
     on_cell = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
     half = layout.cpus_per_bundle / 2
     if which == "runner":
-        gpus = 0 if actors.engine_actors else layout.gpus_per_node
+        env = {} if pin is None else {"runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": pin}}}
         return ray.remote(concurrency_groups={"poll": 1})(actors.runner_class).options(
-            num_cpus=half, num_gpus=gpus, scheduling_strategy=on_cell).remote(
+            num_cpus=half, num_gpus=0, scheduling_strategy=on_cell, **env).remote(
                 cell=index, **actors.runner_kwargs)
-    if actors.sharded:
+    if actors.sharded:       # CPU ranks beside engine actors: the actors hold every GPU
+        gpus = layout.gpus_per_node if (learner_holds_gpus(layout, actors) or gpu_ids) else 0
         return start_sharded_cell(pg=pg, settings=actors.learner_settings,
                                   sharding=actors.sharding, nodes_per_cell=layout.nodes_per_cell,
-                                  gpus_per_node=layout.gpus_per_node, held_gpu_ids=gpu_ids,
+                                  gpus_per_node=gpus, held_gpu_ids=gpu_ids,
                                   batch_of=actors.batch_of)
     extra = {} if layout.learner_resource == "CPU" else {layout.learner_resource: 1.0}
+    gpus = layout.gpus_per_node if learner_holds_gpus(layout, actors) else 0
     return ray.remote(actors.learner_class).options(
-        num_cpus=half if not extra else 0, num_gpus=0, resources=extra,
+        num_cpus=half if not extra else 0, num_gpus=gpus, resources=extra,
         scheduling_strategy=on_cell).remote(**actors.learner_kwargs)

@@ -20,8 +20,8 @@ ShardedCell (driver-side handle; answers the learner calls ElasticLearnerGroup m
                memory (``move_training_state``) and the allocator's cache is emptied, so the
                cell's engines find the GPU free (vLLM checks free memory when it builds or
                wakes); wake_up moves them back before anything else runs
-placement:     ``sharding.rank_placements`` (CUDA: one device per rank, NCCL; CPU: gloo, no GPU
-               asked for, so logical GPUs never lead to NCCL)
+placement:     ``sharding.rank_placements`` (each rank holds its bundle's Ray GPUs; CUDA: one
+               device per rank, NCCL; CPU: gloo, so logical GPUs never lead to NCCL)
 ```
 
 Across cells nothing changes: a cell's gradient is one ``{name: tensor}`` like a single

@@ -8,23 +8,25 @@ training cell = placement group of nodes_per_cell bundles
               per training stint (membership inside a cell is fixed while it trains)
 ```
 
-GPU placement (``rank_placements``, device ``cuda``): every rank drives one CUDA device, and a
-rollout cell's engines and its Learner ranks time-share the same GPUs (the runner sleeps its
-engines while the cell trains)::
+GPU placement (``rank_placements``): a cell's Learner ranks hold their bundle's GPUs in Ray's
+accounting (``ray.get_gpu_ids()`` in a rank names them), on CPU as on CUDA: rank l of a bundle
+of G GPUs and R ranks asks for G / R GPUs (whole GPUs when G / R >= 1, a share of one GPU when
+R > G). The rollout side of the cell time-shares the same GPUs (the runner sleeps its engines
+while the cell trains)::
 
   engines in the runner (EngineLayout.placement='process'):
-  bundle 0   the runner holds the bundle's GPUs in Ray's accounting (its engines use them);
-             its ranks ask Ray for none and are pinned to those GPUs by CUDA_VISIBLE_DEVICES
-             (rank l of the bundle → the bundle's GPU l · gpus_per_node / ranks per bundle)
-  bundle b>0 no runner there: each rank asks Ray for one whole GPU (Ray pins it)
+  bundle b   every rank asks Ray for its G / R GPUs (Ray pins them); the runner on bundle 0
+             asks for none and is pinned (``CUDA_VISIBLE_DEVICES``) to the GPUs the Learner
+             holds there (``pool.py``)
 
   engine actors (EngineLayout.placement='actors', cells/engine_actors.py):
-  bundle b   engine actors hold the bundle's GPUs: every rank asks Ray for none and is pinned
-             to its bundle's GPUs as above (the rollout side holds every bundle's GPUs)
+  bundle b   engine actors hold the bundle's GPUs (``held_gpu_ids``): every rank asks Ray for
+             none and is pinned to its bundle's GPUs (rank l → GPU l · G / R)
 
 Ray does not touch ``CUDA_VISIBLE_DEVICES`` of an actor that asks for no GPU (Ray 2.60), so the
-pin set through the rank's ``runtime_env`` holds. On CPU no rank asks for a GPU (a learner that
-asks for logical GPUs would try NCCL) and the group is gloo.
+pin set through the actor's ``runtime_env`` holds. The torch device is ``device``: on CPU the
+ranks hold Ray GPUs (logical ones too) but compute on the CPU with gloo; NCCL only with
+``device='cuda'``.
 
 The checks name the field and the numbers: CUDA asked for on bundles without GPUs, a rank count
 that does not split over the cell's bundles / GPUs, a model whose training state (weights,
@@ -131,7 +133,8 @@ class RankPlacement:
     bundle: int
     """The cell's bundle (placement group bundle index) it runs in."""
     num_gpus: float
-    """GPUs it asks Ray for (0 on CPU, and on a bundle whose GPUs the rollout side holds)."""
+    """GPUs it asks Ray for (its bundle's G / R; 0 on a bundle without GPUs or whose GPUs the
+    engine actors hold)."""
     visible_devices: str | None
     """``CUDA_VISIBLE_DEVICES`` it is started with (None: Ray's or the node's own)."""
 
@@ -144,30 +147,31 @@ def rank_placements(settings: ShardingSettings, *, nodes_per_cell: int, gpus_per
         settings: the cell's ranks and device.
         nodes_per_cell, gpus_per_node: the cell's ``CellLayout``.
         held_gpu_ids: the Ray GPU ids of the cell's bundles 0 … k-1 whose GPUs the rollout
-            side holds (needed on CUDA: the ranks there are pinned to them): bundle 0's alone
-            when the runner hosts the engines, every bundle's with engine actors.
+            side holds (every bundle's with engine actors; empty when the runner hosts the
+            engines: the ranks hold the GPUs then): the ranks there ask for none and, on CUDA,
+            are pinned to them.
 
     Raises:
-        ShardingError: the layout cannot host the ranks (:func:`ranks_per_bundle`), or on CUDA
-            ``held_gpu_ids`` lists no bundle or a bundle without its ``gpus_per_node`` GPUs.
+        ShardingError: the layout cannot host the ranks (:func:`ranks_per_bundle`), or
+            ``held_gpu_ids`` lists a bundle without its ``gpus_per_node`` GPUs.
     """
     per = ranks_per_bundle(settings, nodes_per_cell=nodes_per_cell, gpus_per_node=gpus_per_node)
     cuda = settings.device == "cuda"
-    if cuda and (not held_gpu_ids or any(len(ids) != gpus_per_node for ids in held_gpu_ids)):
-        raise ShardingError(f"ShardingSettings.device='cuda': the cell's bundles hold GPUs "
-                            f"{[list(ids) for ids in held_gpu_ids]}, "
+    if any(len(ids) != gpus_per_node for ids in held_gpu_ids):
+        raise ShardingError(f"ShardingSettings.device={settings.device!r}: the cell's bundles hold "
+                            f"GPUs {[list(ids) for ids in held_gpu_ids]}, "
                             f"CellLayout.gpus_per_node={gpus_per_node}")
-    stride = gpus_per_node // per if cuda else 0
+    share = gpus_per_node / per
+    share = float(int(share)) if share >= 1 else share     # whole GPUs, or one GPU's share
+    stride = max(gpus_per_node // per, 1)
     out = []
     for rank in range(settings.ranks_per_cell):
         bundle, local = divmod(rank, per)
-        if not cuda:
-            out.append(RankPlacement(rank, bundle, 0.0, None))
-        elif bundle < len(held_gpu_ids):
-            out.append(RankPlacement(rank, bundle, 0.0,
-                                     str(held_gpu_ids[bundle][local * stride])))
+        if bundle < len(held_gpu_ids):
+            pin = str(held_gpu_ids[bundle][(local * stride) % gpus_per_node]) if cuda else None
+            out.append(RankPlacement(rank, bundle, 0.0, pin))
         else:
-            out.append(RankPlacement(rank, bundle, 1.0, None))
+            out.append(RankPlacement(rank, bundle, share, None))
     return out
 
 

@@ -104,6 +104,9 @@ class SteppingActuator:
         self.actuator = RayActuator(config, policy, pool, version_offset=version,
                                     observer=self.recorder)
         self.state_ref, self.weights_ref = state_ref, weights_ref
+        self.next_step = 0
+        """The scheduler step the next :meth:`advance` reports (a step applied while something
+        else ticked the actuator, e.g. an evaluation, is reported by the next call at once)."""
 
     @property
     def m(self) -> Any:
@@ -118,17 +121,19 @@ class SteppingActuator:
     def start(self) -> None:
         """Reset every cell to the start state and let the policy start runs."""
         self.actuator.start(self.state_ref, self.weights_ref)
+        self.next_step = self.actuator.m.version
         self.actuator.act()
 
     def advance(self) -> StepReport:
         """Drive the cells until one more optimizer step is applied."""
         act = self.actuator
-        t, step = time.monotonic(), act.m.version
-        while act.m.version == step:
+        t, step = time.monotonic(), self.next_step
+        while act.m.version <= step:
             if act.m.done:
                 raise RuntimeError(f"SteppingActuator: the job's {act.cfg.job.total_steps} "
                                    f"steps are done (raise xlong(max_steps=...))")
             act.tick()
+        self.next_step = step + 1
         return self._report(step, time.monotonic() - t)
 
     def _report(self, step: int, step_s: float) -> StepReport:
@@ -139,7 +144,7 @@ class SteppingActuator:
         s = rec.per_step.pop(step, collections.Counter())
         roles = collections.Counter(r.value for r in act.m.role)
         return StepReport(
-            version=act.learners.version,       # the one policy version: the learner group's
+            version=act.state.version_offset + step + 1,    # the learner group's, then
             reward_mean=float(np.mean(rewards)) if rewards else 0.0, runs=len(rewards),
             tokens_trained=s["tokens_trained"], unique_tokens=s["unique_tokens"],
             total_tokens=s["total_tokens"], trajectories_kept=s["trajectories_kept"],

@@ -41,7 +41,6 @@ import dataclasses
 import os
 import pathlib
 import pickle
-import time
 from typing import Any, Callable
 
 import ray
@@ -51,12 +50,13 @@ from ray.rllib.callbacks.utils import make_callback
 from ray.rllib.utils import force_list
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.debug import update_global_seed_if_necessary
-from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
 from ray_xlong.checks import is_int as _is_int
 from ray_xlong.rllib import results as rx_results
+from ray_xlong.rllib.evaluation import attach as attach_evaluation, eval_tasks
 from ray_xlong.rllib.options import (AGENT_LR, RECIPE_HARNESS, RECIPE_LR, XLongOptions)
+from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.cells.stepping import StepReport, SteppingActuator
 from ray_xlong.rollout import HarnessConfig
 from ray_xlong.rollout.tasks import TaskFactory
@@ -103,9 +103,8 @@ class XLongAlgorithm(Algorithm):
         self.env_runner_group, self.spaces = None, None
         self.env_to_module_connector = self.module_to_env_connector = None
         self.evaluation_config = self.config.get_evaluation_config_object()
-        self.eval_env_runner_group = None        # evaluation: rllib/evaluation.py
+        self.eval_env_runner_group = None        # evaluation on the cells: evaluation.py
         self._evaluation = None
-        self._eval_round = 0
         self._aggregator_actor_manager = None
         self._set_up_metrics()
         self.job = self.config.job_config(group_offset=0)
@@ -116,9 +115,11 @@ class XLongAlgorithm(Algorithm):
                                 seed=int(self.config.seed or 0), dtype=self.job.learner.dtype)
         actors = cell_actors(rollout=rollout, learner=self.job.learner,
                              processor=self.job.processor, seed=int(self.config.seed or 0),
-                             spool_dir=self.job.spool_dir, tasks=self.job.work.tasks(),
+                             spool_dir=self.job.spool_dir,
+                             tasks={**self.job.work.tasks(), **eval_tasks(opt)},
                              agent_tasks=self.job.work.agent_tasks(),
-                             learner_connector=self.config._learner_connector)
+                             learner_connector=self.config._learner_connector,
+                             sharding=self.job.sharding)
         self.pool = create_cells(self.job.layout, actors=actors)
         self.actuator: SteppingActuator | None = None
         self.policy_version = 0
@@ -134,6 +135,7 @@ class XLongAlgorithm(Algorithm):
         """One optimizer step on the cells; metrics go to ``self.metrics``."""
         if self.actuator is None:
             self.actuator = self._start_actuator()
+            attach_evaluation(self)
         report = self.actuator.advance()
         self.policy_version = report.version
         self.reports.append(report)
@@ -277,66 +279,13 @@ class XLongAlgorithm(Algorithm):
 
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self, parallel_train_future=None) -> dict[str, Any]:
-        """One evaluation round (``rllib/evaluation.py``): K held-out instances × k samples
-        on the evaluation runners, on the latest policy version. Returns RLlib's
-        ``evaluation`` block (``{"env_runners": {...}}``)."""
+        """One evaluation round on the rollout cells (``rllib/evaluation.py``): K held-out
+        instances × k samples, never trained. Returns RLlib's ``evaluation`` block."""
         from ray_xlong.rllib import evaluation as ev
 
-        opt, cfg = self.config.xlong_options, self.evaluation_config
-        if self._evaluation is None:
-            self._evaluation = self._evaluation_runners()
-        specs = ev.eval_specs(opt.eval_task_name, instances=int(cfg.evaluation_duration),
-                              samples=opt.eval_samples or opt.runs_per_group,
-                              seed=int(self.config.seed or 0),
-                              indexed=getattr(self._eval_factory(), "indexed_instances", False),
-                              round_=self._eval_round)
-        self._eval_round += 1
-        start = time.perf_counter()
-        version = self.policy_version
-        results = self._evaluation.run(specs, weights=self._current_weights, version=version,
-                                       timeout_s=float(cfg.evaluation_sample_timeout_s))
-        rewards: dict[str, list[float]] = collections.defaultdict(list)
-        for res in results:
-            rewards[res.run.group_id].append(float(res.run.reward))
-        return {ENV_RUNNER_RESULTS: ev.eval_metrics(rewards, threshold=opt.eval_pass_threshold,
-                                                    version=version,
-                                                    seconds=time.perf_counter() - start)}
-
-    def _eval_factory(self):
-        from ray_xlong.rollout.tasks import TASKS
-
-        opt = self.config.xlong_options
-        return opt.eval_task_factory or TASKS.get(opt.eval_task_name)
-
-    def _evaluation_runners(self):
-        from ray_xlong.rllib.env_runner import RolloutConfig
-        from ray_xlong.rllib.evaluation import evaluation_runners
-
-        opt, cfg = self.config.xlong_options, self.evaluation_config
-        factory = opt.eval_task_factory
-        tasks = dict(self.job.work.tasks())
-        if factory is not None:
-            tasks[opt.eval_task_name] = factory
-        rollout = RolloutConfig(model_dir=self.job.learner.model_dir, backend=opt.engine,
-                                harness=opt.harness, max_batch_size=opt.slots_per_cell,
-                                seed=int(self.config.seed or 0), dtype=self.job.learner.dtype)
-        return evaluation_runners(rollout=rollout, tasks=tasks,
-                                  count=int(cfg.num_env_runners or 0),
-                                  cpus=float(cfg.num_cpus_per_env_runner),
-                                  gpus=float(cfg.num_gpus_per_env_runner or 0))
-
-    def _current_weights(self) -> Any:
-        """An object ref of the current version's weights."""
-        if self.actuator is not None:
-            return self.actuator.learners.weights_ref
-        if self._start_state is not None:
-            return ray.put(self._start_state["weights"])
-        return self.pool.initial_weights
+        return ev.evaluate(self, parallel_train_future)
 
     def cleanup(self) -> None:
-        if getattr(self, "_evaluation", None) is not None:
-            self._evaluation.stop()
-            self._evaluation = None
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.shutdown()
@@ -379,7 +328,9 @@ class XLongConfig(AlgorithmConfig):
               eval_samples: int | None = NotProvided,
               eval_pass_threshold: float = NotProvided, model_dir: str = NotProvided,
               dtype: str = NotProvided, loss: LossConfig = NotProvided, pack: str = NotProvided,
-              normalize_std: bool = NotProvided, harness: HarnessConfig = NotProvided,
+              normalize_std: bool = NotProvided, sharding: ShardingSettings = NotProvided,
+              context_parallel: int = NotProvided, attn_implementation: str | None = NotProvided,
+              harness: HarnessConfig = NotProvided,
               max_steps: int = NotProvided, poll_s: float = NotProvided,
               spool_dir: str = NotProvided) -> "XLongConfig":
         """Set xlong options (fields of :class:`XLongOptions`; validated here). Returns self."""
@@ -451,6 +402,12 @@ class XLongConfig(AlgorithmConfig):
         if self.xlong_options.agent_task is not None and self.xlong_options.eval_task is None:
             raise ValueError("XLongConfig.evaluation_interval: evaluating an external agent "
                              "task is not supported; set xlong(eval_task=...) to a task")
+        if self.evaluation_num_env_runners:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "XLongConfig.evaluation_num_env_runners=%s is not used: evaluation runs on the "
+                "rollout cells (no separate evaluation runners)", self.evaluation_num_env_runners)
 
     def job_config(self, *, group_offset: int):
         """The cell layer's job record (``ray_xlong.cells.config.XLongConfig``)."""
@@ -469,7 +426,9 @@ class XLongConfig(AlgorithmConfig):
         learner = LearnerSettings(model_dir=self.policy_model_dir, lr=float(self.lr),
                                   loss=opt.loss, dtype=cfg.get("dtype", opt.dtype),
                                   micro_batch_tokens=opt.micro_batch_tokens,
-                                  grad_clip=self.grad_clip)
+                                  grad_clip=self.grad_clip,
+                                  context_parallel=opt.context_parallel,
+                                  attn_implementation=opt.attn_implementation)
         return CellJobConfig(
             mode=opt.mode,
             job=SchedulingConfig(opt.max_steps, self.groups_per_step, opt.runs_per_group,
@@ -484,4 +443,4 @@ class XLongConfig(AlgorithmConfig):
             harness=opt.harness,
             processor=ProcessorConfig(max_trajectories_per_run=opt.max_trajectories_per_run,
                                       pack=opt.pack, normalize_std=opt.normalize_std),
-            poll_s=opt.poll_s, spool_dir=opt.spool_dir)
+            poll_s=opt.poll_s, spool_dir=opt.spool_dir, sharding=opt.sharding)

@@ -13,6 +13,7 @@ handed to the cell runtime as one :class:`~ray_xlong.cells.pool.CellActors`::
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Any, Callable, Mapping
@@ -21,6 +22,7 @@ import ray
 
 from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.cells.cell_engines import CellEngines
+from ray_xlong.cells.eval_runs import EvalOutcome, EvalReport
 from ray_xlong.cells.pool import CellActors
 from ray_xlong.cells.spool import RunSpool
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig
@@ -53,9 +55,15 @@ class CellRunner(AgentEnvRunner):
         self.cell = cell
         self.processor = processor
         self.spool = RunSpool(spool_dir) if spool_dir else None
+        self._eval_ids: dict[str, str] = {}      # live evaluation run → its group
+        self._eval_ended: list[EvalOutcome] = []
+        self._eval_preempted: list[str] = []
         super().__init__(config=config, rollout_config=rollout_config)
 
     def _on_end(self, run_id: str, env, task) -> None:
+        if run_id in self._eval_ids:      # evaluation: reported apart, never spooled/trained
+            self._eval_end(run_id, env, task)
+            return
         # Spool first, then hand over: a runner that dies in between loses nothing. A spool
         # that fails (disk full) still hands the run over, and the error reaches the driver
         # through wait_ended (never a run that silently never ends).
@@ -67,6 +75,61 @@ class CellRunner(AgentEnvRunner):
         finally:
             super()._on_end(run_id, env, task)
 
+    # -- evaluation runs (cells/eval_runs.py) ------------------------------------------------
+    def start_eval_runs(self, specs, *after: Any) -> int:
+        """Start held-out evaluation runs beside the training runs: they end in
+        :meth:`take_eval`, never in :meth:`wait_ended` nor the spool. On a runner that takes
+        no runs (draining, asleep) they are reported preempted at once. Returns how many
+        started."""
+        if self._draining or self._stopped or getattr(self.engine, "is_sleeping", False):
+            async def refuse() -> None:
+                self._eval_preempted.extend(s.run_id for s in specs)
+
+            self._call(refuse())
+            return 0
+        self._eval_ids.update({s.run_id: s.group_id for s in specs})
+        try:
+            super().start_runs(specs)
+        except Exception:
+            for s in specs:
+                self._eval_ids.pop(s.run_id, None)
+            raise
+        return len(specs)
+
+    def _eval_end(self, run_id: str, env, task) -> None:
+        group = self._eval_ids.pop(run_id, "")
+        self._live.pop(run_id, None)
+        if env is not None:
+            env.close()
+        if task.cancelled():
+            self._eval_preempted.append(run_id)
+            return
+        if task.exception() is not None:
+            self._eval_ended.append(EvalOutcome(run_id, group, 0.0, self.cell,
+                                                self.policy_version, failed=True))
+            return
+        run = task.result().run
+        versions = [c.policy_version for c in run.calls]
+        self._eval_ended.append(EvalOutcome(run_id, run.group_id, float(run.reward), self.cell,
+                                            min(versions, default=self.policy_version)))
+
+    def take_eval(self) -> EvalReport:
+        """Evaluation runs that ended, and those cancelled, since the last call."""
+        async def take() -> EvalReport:
+            out = EvalReport(tuple(self._eval_ended), tuple(self._eval_preempted))
+            self._eval_ended, self._eval_preempted = [], []
+            return out
+
+        return self._call(take())
+
+    async def _preempt_eval(self) -> int:
+        tasks = [t for r, t in self._live.items() if r in self._eval_ids]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0)       # the runs' done callbacks have run
+        return len(tasks)
+
     @ray.method(concurrency_group="poll", num_returns=2)
     def wait_ended(self, timeout_s: float) -> tuple[list[RunDigest], list]:
         """Runs ended since the last call (waits up to ``timeout_s`` for at least one),
@@ -74,7 +137,8 @@ class CellRunner(AgentEnvRunner):
         driver reads) and their episodes with the ``ProcessedRun`` (what a Learner reads; the
         driver passes the ref on without fetching it)."""
         deadline = time.monotonic() + timeout_s
-        while not self._ended and time.monotonic() < deadline:
+        while not (self._ended or self._eval_ended or self._eval_preempted) \
+                and time.monotonic() < deadline:
             time.sleep(0.002)
         error = getattr(self, "_spool_error", None)
         if error is not None:
@@ -110,10 +174,12 @@ class CellRunner(AgentEnvRunner):
         super().drain()
 
     def suspend(self, *after: Any) -> float:
-        """Rollout → training: drain and sleep the engine (raises with live runs). Returns
-        the seconds it took."""
+        """Rollout → training: drain, cancel the live evaluation runs (reported preempted:
+        evaluation never delays a switch) and sleep the engine (raises with live training
+        runs). Returns the seconds it took."""
         t = time.perf_counter()
         self.drain()
+        self._call(self._preempt_eval())
         self.sleep()
         return time.perf_counter() - t
 

@@ -21,9 +21,9 @@ the xlong token loss (PPO clip on model tokens, GRPO group baselines, no critic)
     clip_param (PPO)                          PPO clip ε (low = high)
     kl_coeff, use_kl_loss=False (PPO)         LossConfig.kl_coef (k3 towards the behaviour
                                               logprobs; 0 when the KL loss is turned off)
-    evaluation_interval, _duration, _unit,    RLlib's evaluation rounds on held-out instances
-    _num_env_runners, _parallel_to_training,  (rllib/evaluation.py)
-    _sample_timeout_s
+    evaluation_interval, _duration, _unit,    RLlib's evaluation rounds on held-out instances,
+    _parallel_to_training, _sample_timeout_s  on the rollout cells (rllib/evaluation.py)
+    evaluation_num_env_runners                kept, logged as not used (the cells evaluate)
     model_config["model_dir" | "dtype"]       the HF causal LM the RLModule wraps
     seed                                      seed (model, tasks, engines)
 

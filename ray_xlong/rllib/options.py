@@ -11,6 +11,8 @@ import dataclasses
 from typing import Any, Callable
 
 
+from ray_xlong.cells.learner_settings import ATTENTIONS
+from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.checks import is_int as _is_int
 from ray_xlong.rollout import HarnessConfig
 from ray_xlong.rollout.tasks import TaskFactory
@@ -97,6 +99,17 @@ class XLongOptions:
     """``tree`` | ``per_trajectory`` packing of training batches."""
     normalize_std: bool = True
     """Divide group advantages by the group reward std."""
+    sharding: ShardingSettings = ShardingSettings()
+    """A training cell's Learner ranks: ``ranks_per_cell``, ``device`` (``cpu`` | ``cuda``),
+    mixed precision, activation checkpointing, memory per rank (``cells/sharding.py``). Each
+    rank holds its bundle's GPUs in Ray (``gpus_per_node`` ÷ ranks per bundle); default: one
+    Learner per cell on CPU."""
+    context_parallel: int = 1
+    """Ranks per tree row (``LearnerSettings.context_parallel``): divides
+    ``sharding.ranks_per_cell``; needs ``pack='tree'``."""
+    attn_implementation: str | None = None
+    """How the Learner's model attends (``LearnerSettings.attn_implementation``; None: by
+    batch layout)."""
     harness: HarnessConfig = AGENT_HARNESS
     """Per-run budgets (tokens, calls, context, wall clock); default :data:`AGENT_HARNESS`."""
     max_steps: int = 100_000
@@ -130,6 +143,12 @@ class XLongOptions:
         _check(self.model_dir is None or (isinstance(self.model_dir, str) and self.model_dir),
                "model_dir", "None or a path string", self.model_dir)
         _check(isinstance(self.loss, LossConfig), "loss", "a LossConfig", self.loss)
+        _check(isinstance(self.sharding, ShardingSettings), "sharding", "a ShardingSettings",
+               self.sharding)
+        _check(_is_int(self.context_parallel) and self.context_parallel >= 1,
+               "context_parallel", "an int >= 1", self.context_parallel)
+        _check(self.attn_implementation is None or self.attn_implementation in ATTENTIONS,
+               "attn_implementation", f"None or one of {ATTENTIONS}", self.attn_implementation)
         _check(isinstance(self.harness, HarnessConfig), "harness", "a HarnessConfig",
                self.harness)
         _check(self.poll_s > 0, "poll_s", "> 0", self.poll_s)

@@ -66,10 +66,10 @@ def test_model_size_is_counted_without_weights(tmp_path):
 
 
 @pytest.mark.parametrize("ranks,nodes,gpus,ids,want", [
-    # CPU: no rank asks for a GPU (logical GPUs never lead to NCCL), ranks split over bundles
-    pytest.param(4, 2, 8, (), [(0, 0.0, None), (0, 0.0, None), (1, 0.0, None), (1, 0.0, None)],
+    # CPU: ranks split over bundles, each holding its bundle's 8 / 2 GPUs in Ray (gloo on CPU)
+    pytest.param(4, 2, 8, (), [(0, 4.0, None), (0, 4.0, None), (1, 4.0, None), (1, 4.0, None)],
                  id="cpu-2-bundles"),
-    # CUDA, one bundle of 4 GPUs, 2 ranks: pinned to the runner's GPUs 0 and 2 (stride 4/2)
+    # CUDA, engine actors hold bundle 0's 4 GPUs, 2 ranks: pinned to GPUs 4 and 6 (stride 4/2)
     pytest.param(2, 1, 4, [("4", "5", "6", "7")], [(0, 0.0, "4"), (0, 0.0, "6")],
                  id="cuda-bundle0"),
     # CUDA, 2 bundles × 2 GPUs, 4 ranks: bundle 0 pinned, bundle 1 one whole Ray GPU each
@@ -89,6 +89,21 @@ def test_rank_placements(ranks, nodes, gpus, ids, want):
                           nodes_per_cell=nodes, gpus_per_node=gpus, held_gpu_ids=ids)
     assert [(p.bundle, p.num_gpus, p.visible_devices) for p in got] == want
     assert [p.rank for p in got] == list(range(ranks))
+
+
+@pytest.mark.parametrize("device,ranks,nodes,gpus,want", [
+    # the runner hosts the engines: the ranks hold their bundle's GPUs, on CPU as on CUDA
+    pytest.param("cpu", 2, 1, 2, [(0, 1.0), (0, 1.0)], id="cpu-one-gpu-each"),
+    pytest.param("cpu", 2, 1, 1, [(0, 0.5), (0, 0.5)], id="cpu-half-a-gpu-each"),
+    pytest.param("cuda", 2, 1, 4, [(0, 2.0), (0, 2.0)], id="cuda-two-gpus-each"),
+    pytest.param("cuda", 2, 2, 1, [(0, 1.0), (1, 1.0)], id="cuda-2-bundles"),
+    pytest.param("cpu", 1, 1, 0, [(0, 0.0)], id="no-gpus"),
+])
+def test_ranks_hold_their_bundles_gpus(device, ranks, nodes, gpus, want):
+    got = rank_placements(ShardingSettings(ranks_per_cell=ranks, device=device),
+                          nodes_per_cell=nodes, gpus_per_node=gpus)
+    assert [(p.bundle, p.num_gpus) for p in got] == want
+    assert all(p.visible_devices is None for p in got)       # Ray pins what it gives
 
 
 def test_cuda_placement_needs_the_bundles_gpu_ids():

@@ -33,6 +33,12 @@ class TrainedAlgo:
     """``RecordingCallbacks.seen`` after step 2."""
     deprecations: list[str]
     """Warnings of ``ray._common.deprecation`` logged while it was built and trained."""
+    eval_runs: Any = None
+    """The actuator's ``EvalRuns`` after step 3 (placements, outcomes of the evaluation)."""
+    trained_runs: dict[int, list[str]] | None = None
+    """Scheduler step → run ids it trained (``RayActuator.trained``) after step 3."""
+    spooled: list[str] | None = None
+    """Run ids in the run spool after step 3 (none of them an evaluation run)."""
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +63,8 @@ def trained_algo(tmp_path_factory) -> TrainedAlgo:
     logging.getLogger("ray._common.deprecation").addHandler(handler)
     RecordingCallbacks.seen.clear()
     try:
-        algo = (small_config(model_dir).xlong(task=user_task(), eval_samples=2)
+        algo = (small_config(model_dir).xlong(task=user_task(), eval_samples=2,
+                                              spool_dir=str(tmp_path_factory.mktemp("spool")))
                 .evaluation(evaluation_interval=2, evaluation_duration=2).build_algo())
         assert algo.job.work.task.endswith("user_task.<locals>.Echo")
         results = [algo.train() for _ in range(2)]
@@ -67,8 +74,12 @@ def trained_algo(tmp_path_factory) -> TrainedAlgo:
         weights = {k: v.clone() for k, v in
                    ray.get(algo.actuator.learners.state_ref)["weights"].items()}
         results.append(algo.train())
+        act = algo.actuator.actuator
+        eval_runs, trained_runs = act.evals, {k: list(v) for k, v in act.trained.items()}
+        spooled = sorted(act.state.spool.run_ids()) if act.state.spool is not None else []
         algo.stop()
     finally:
         logging.getLogger("ray._common.deprecation").removeHandler(handler)
         ray.shutdown()
-    return TrainedAlgo(results, path, weights, callbacks, seen)
+    return TrainedAlgo(results, path, weights, callbacks, seen, eval_runs, trained_runs,
+                       spooled)

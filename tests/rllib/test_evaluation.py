@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from ray_xlong.cells.eval_runs import EvalOutcome  # noqa: E402
 from ray_xlong.cells.task_job import TaskJob  # noqa: E402
 from ray_xlong.rllib.evaluation import eval_metrics, eval_specs, pass_at_k  # noqa: E402
 
@@ -46,9 +47,18 @@ def test_pass_at_k_refuses_impossible_counts():
 
 def test_metrics_block():
     rewards = {"eval0-0": [1.0, 0.0, 0.2], "eval0-1": [0.0, 0.0, 0.0]}
-    m = eval_metrics(rewards, threshold=1.0, version=4, seconds=2.5)
+    outcomes = [EvalOutcome(f"e0-{g}-{i}", g, r, cell=i % 2, version=4 + (r > 0.5))
+                for g, rs in rewards.items() for i, r in enumerate(rs)]
+    m = eval_metrics(outcomes, threshold=1.0, seconds=2.5, wait_s=0.5, preempted=1)
     assert m["episode_return_mean"] == pytest.approx(1.2 / 6)
     assert (m["num_episodes"], m["num_instances"], m["policy_version"]) == (6, 2, 4)
+    assert (m["policy_version_max"], m["num_preempted"], m["eval_wait_s"]) == (5, 1, 0.5)
     assert m["pass_at_1"] == pytest.approx((1 / 3 + 0) / 2)
     assert m["pass_at_3"] == pytest.approx(0.5)
     assert all(np.isscalar(v) and math.isfinite(v) for v in m.values())
+
+
+def test_a_round_with_no_run_ended_is_a_block_of_nans_not_an_error():
+    m = eval_metrics([], threshold=1.0, seconds=1.0)
+    assert (m["num_episodes"], m["num_instances"]) == (0, 0)
+    assert math.isnan(m["episode_return_mean"]) and "pass_at_1" not in m

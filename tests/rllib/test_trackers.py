@@ -102,7 +102,7 @@ def test_unknown_tracker_is_an_error_naming_it(tmp_path):
 def test_tuner_with_tracker_callbacks_logs_the_algorithms_metrics(local_ray, tmp_path):
     """Two iterations of XLongAlgorithm under tune.Tuner with the W&B and MLflow callbacks:
     what they wrote equals the trial's result.json, the evaluation block of iteration 2
-    included (run by an evaluation runner actor beside the step, RLlib's parallel mode)."""
+    included (run on the rollout cells beside the step, RLlib's parallel mode)."""
     from ray import tune
 
     from ray_xlong.models import build_tiny_model_dir
