@@ -195,6 +195,21 @@ def forecast_policy(config, cal: dict):
                                               horizon_h=config.harness.wall_clock_s))
 
 
+def planned_prior(config, cal: dict):
+    """The planned policy's estimates before the job's own events (it plans at job start with
+    them): run durations of the calibration's workload (its seed, not the job's: 512 runs
+    predicted from the tool times and the per-call cost) and the calibrated costs."""
+    from ray_xlong.cells.long_horizon_job import predicted_durations
+    from ray_xlong.sim.planner import prior_estimates
+
+    work = dataclasses.replace(config.work, seed=config.work.seed + 10_000)
+    durations = predicted_durations(work, runs=512, call_s=cal["call_s"],
+                                    timeout_s=config.harness.wall_clock_s)
+    per_group = cal["tokens_per_run"] * config.job.runs_per_group / cal["train_tokens_per_s"]
+    return prior_estimates(durations, train_per_group=per_group, to_train=cal["switch_s"],
+                           sync=cal["sync_s"], step_finish=cal["step_finish_s"])
+
+
 def best_static_rollout_cells(config, cal: dict) -> int:
     """The async split (rollout cells) the simulator finds best for this job's calibrated
     workload: hindsight over 1..cells-1, ties to fewer rollout cells."""
@@ -221,7 +236,8 @@ def mode_policy(mode: str, config, cal: dict):
         costs = PlanCosts(finish_blocks=True,
                           parallel_training_cells=cal.get("parallel_training_cells",
                                                           float("inf")))
-        return dataclasses.replace(config, mode="planned"), planned_policy(costs=costs)
+        return dataclasses.replace(config, mode="planned"), planned_policy(
+            costs=costs, prior=planned_prior(config, cal))
     if mode == "best_static":
         r = best_static_rollout_cells(config, cal)
         cfg = dataclasses.replace(config, mode="async", async_rollout_cells=r)
@@ -299,7 +315,22 @@ def _row(real, sim, lb: float, violations: list[str]) -> dict:
         "role_switches": int(t.get("switch_s_count", 0) + t.get("sync_s_count", 0)),
         "staleness_max": max(real.staleness), "token_staleness_max": real.token_staleness_max,
         "violations": violations, "placement_groups_created": real.placement_groups_created,
+        "run_s_mean": _mean_run(real.events), "sim_run_s_mean": _mean_run(sim.events),
+        "micro_batches": int(t.get("micro_batch_s_count", 0)),
+        "micro_batch_s_mean": t.get("micro_batch_s_mean", 0.0),
+        "micro_batch_tokens_mean": t.get("micro_batch_targets_mean", 0.0),
     }
+
+
+def _mean_run(events) -> float:
+    """Mean run duration of an event log (run_started → run_ended)."""
+    began, took = {}, []
+    for e in events:
+        if e.kind == "run_started":
+            began[e.run] = e.time
+        elif e.kind == "run_ended" and e.run in began:
+            took.append(e.time - began.pop(e.run))
+    return statistics.fmean(took) if took else 0.0
 
 
 def table(rows: dict) -> str:
