@@ -9,12 +9,16 @@ Prints markdown tables (every mode side by side on one sampled workload) and wri
 but planned's, whose row adds ``plans``, ``plan_wall_s_max``, ``plan_wall_s_total``,
 ``final_plan``). Sweep rows hold ``{sweep, value, lower_bound_h, colocated_h, async_h,
 elastic_h, forecast_h, best_static_h, best_static_rollout_cells, planned_h,
-planned_vs_best_baseline, planned_plans, planned_plan_wall_s_max, ...}`` (``--sweeps-only``
+planned_vs_best_baseline, planned_plans, planned_plan_wall_s_max, planned_sim_wall_s_max
+(the slowest candidate simulation of a plan, mean over its candidates), ...}`` (``--sweeps-only``
 skips the mode table; ``--no-planned`` the planned policy). ``forecast`` is our own
 mode (``ray_xlong/scheduling/forecast.py``); ``best_static`` is async with the split found best
 with hindsight on the same workload (its row has ``split: {rollout_cells, training_cells}``; every
 row has ``speedup_vs_best_static``); ``--compare-seeds`` prints elastic vs forecast per
-seed (and elastic with the newest-run drain choice alone, to separate the two ideas).
+seed (and elastic with the newest-run drain choice alone, to separate the two ideas);
+``--gap`` prints, for planned, forecast and the best fixed split at ``--points`` (default 16 and
+32 cells), where the makespan goes against the staleness admission bound
+(``sim.metrics.window_parts``).
 """
 
 from __future__ import annotations
@@ -147,6 +151,8 @@ def _planned_row(p: Preset, w, *, seed: int, row: dict) -> dict:
     return {"planned_h": h, "planned_vs_best_baseline": h / best,
             "planned_plans": len(walls), "planned_plan_wall_s_max": max(walls, default=0.0),
             "planned_plan_wall_s_total": sum(walls),
+            "planned_sim_wall_s_max": max((plan.wall_s / max(1, len(plan.predicted))
+                                           for plan in policy.plans), default=0.0),
             "planned_final_plan": policy.current_label}
 
 
