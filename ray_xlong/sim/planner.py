@@ -51,6 +51,7 @@ from ray_xlong.scheduling.elastic import ElasticPolicy
 from ray_xlong.scheduling.estimates import EventEstimator, JobEstimates
 from ray_xlong.scheduling.events import Event
 from ray_xlong.scheduling.forecast import ForecastPolicy
+from ray_xlong.scheduling.machine import CellMachine
 from ray_xlong.scheduling.moves import Move
 from ray_xlong.scheduling.policy import Policy
 from ray_xlong.scheduling.state import ClusterState, SchedulingConfig
@@ -89,6 +90,11 @@ class PlanCosts:
     """The step finish blocks the actuator (the Ray driver: True)."""
     parallel_training_cells: float = float("inf")
     """Cells training at full speed at once (``CostConfig``)."""
+    wall_budget: float | None = None
+    """Most share of the job's wall time the driver may spend re-planning (a plan pauses the
+    driver between steps: on Ray a paper8 plan took 0.2–1 s of a ~25 s job); a plan falls due
+    only while the plans so far stay within it. None: no limit (the simulator's jobs run in
+    no wall time)."""
 
 
 @dataclass(slots=True)
@@ -132,15 +138,33 @@ class PlannedPolicy:
     roles); False: from an idle cluster."""
     live: LiveJob = field(default_factory=lambda: LiveJob())
     """The live part of the job (groups in flight, live runs), from the events."""
+    started_wall: float | None = None
+    """Driver clock (``perf_counter``) of the first decision."""
+    spent_wall: float = 0.0
+    """Driver seconds spent planning during the job (``PlanCosts.wall_budget``)."""
 
     def __post_init__(self) -> None:
         for name in ("min_steps", "replan_steps", "plan_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PlannedPolicy.{name}: must be >= 1, got {getattr(self, name)}")
 
+    def prepare(self, config: SchedulingConfig, slots) -> PlanRecord:
+        """Plan the job from its prior before it starts (an idle cluster of ``slots`` per
+        cell), so that the job's clock does not pay for the first plan."""
+        if self.prior is None:
+            raise ValueError("PlannedPolicy.prepare: needs a prior")
+        idle = CellMachine(config, slots=list(slots)).snapshot(0.0)
+        self.estimator.configure(config.batch_groups, config.runs_per_group)
+        self.live.group_size = config.runs_per_group
+        record = self.plan(idle, self.prior)
+        self.spent_wall = 0.0  # not the job's time
+        return record
+
     def decide(self, state: ClusterState, event: Event) -> tuple[Move, ...]:
         """Plan at job start (with the prior) and at a step boundary when due, then the
         followed candidate's moves."""
+        if self.started_wall is None:
+            self.started_wall = time.perf_counter()
         if self.estimator.group_size is None:
             self.estimator.configure(state.config.batch_groups, state.config.runs_per_group)
             self.live.group_size = state.config.runs_per_group
@@ -160,6 +184,10 @@ class PlannedPolicy:
         est = self.estimator.estimates(state.time, state.config.batch_groups,
                                        min_steps=self.min_steps)
         if est is None:
+            return None
+        budget = self.costs.wall_budget
+        if budget is not None and self.spent_wall >= budget * (
+                time.perf_counter() - (self.started_wall or time.perf_counter())):
             return None
         if self.basis is None or not self.plans:
             return est
@@ -194,6 +222,7 @@ class PlannedPolicy:
             self.current, self.current_label = policies[best], best
         record = PlanRecord(time=state.time, version=state.version, predicted=predicted,
                             chosen=self.current_label, wall_s=time.perf_counter() - t0)
+        self.spent_wall += record.wall_s
         self.plans.append(record)
         self.basis = est
         return record
@@ -350,4 +379,5 @@ def with_costs(policy: PlannedPolicy, costs: PlanCosts) -> PlannedPolicy:
     """The same policy settings with other operator-given costs (a fresh state)."""
     return dataclasses.replace(policy, costs=costs, estimator=EventEstimator(),
                                current=ColocatedPolicy(), current_label="colocated", plans=[],
-                               basis=None, seen_version=0, live=LiveJob())
+                               basis=None, seen_version=0, live=LiveJob(), started_wall=None,
+                               spent_wall=0.0)

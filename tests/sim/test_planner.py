@@ -17,6 +17,7 @@ from ray_xlong.scheduling.state import Role, SchedulingConfig
 from ray_xlong.sim.cluster import ClusterConfig, CostConfig
 from ray_xlong.sim.planner import (
     LiveJob,
+    PlanCosts,
     PlannedPolicy,
     planned_policy,
     prior_estimates,
@@ -167,3 +168,22 @@ def test_window_parts_add_up_to_the_makespan():
                         config=JOB)["admission"]
     assert parts["full_window_h"] >= bound - 1e-9
     assert min(parts["stagger_h"], parts["ready_h"], parts["step_h"]) >= 0
+
+
+def test_prepare_plans_before_the_job_and_a_wall_budget_holds_re_plans_back():
+    sample = sample_workload(WorkloadConfig(median_run_h=2.0, sigma=0.8, timeout_h=4.0,
+                                            tokens_per_run_h=1000.0),
+                             runs=512, group_size=4, seed=7)
+    prior = prior_estimates(sample.durations_h, train_per_group=0.4)
+    policy = planned_policy(prior=prior, costs=PlanCosts(wall_budget=0.0))
+    first = policy.prepare(JOB, [16] * 4)
+    assert policy.plans == [first] and first.version == 0 and policy.spent_wall == 0.0
+    result = run(policy)
+    assert policy.plans == [first]  # a zero budget: no plan during the job
+    assert len(set(result.trained_step)) == JOB.total_steps
+    free = planned_policy(prior=prior)
+    free.prepare(JOB, [16] * 4)
+    run(free)
+    assert len(free.plans) > 1
+    with pytest.raises(ValueError, match="prepare"):
+        planned_policy().prepare(JOB, [16] * 4)
