@@ -73,7 +73,7 @@ def preset_prior(preset: Preset) -> JobEstimates:
     w = dataclasses.replace(preset.workload, median_growth=1.0, token_rate_growth=1.0,
                             then=None)
     g = preset.job.runs_per_group
-    sample = sample_workload(w, runs=4096 * g // g, group_size=g, seed=987_654)
+    sample = sample_workload(w, runs=512 * g, group_size=g, seed=987_654)  # 4,096 at G = 8
     per_group = g * w.tokens_per_run_h * w.mean_duration_h() * w.unique_token_frac \
         / preset.costs.train_tokens_per_cell_h
     c = preset.costs
