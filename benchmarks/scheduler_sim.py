@@ -173,10 +173,10 @@ def bounds_table(preset: Preset, *, seed: int) -> tuple[list[dict], str]:
 def gap_table(preset: Preset, *, seed: int, points: list[str]) -> tuple[list[dict], str]:
     """Why a point stays above its lower bound: for planned, forecast and the best fixed split,
     the staleness window's parts (``sim.metrics.window_parts``) beside the bound's parts."""
-    rows, lines = [], [
-        "| point | mode | makespan h | admission bound h | work bound h | Σ hold ÷ window h | "
-        "window not full h | per group: longest run h | + stagger h | + ready → taken h | "
-        "+ taken → step end h |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    head = ("| point | mode | makespan h | admission bound h | work bound h | Σ hold ÷ window h | "
+            "window not full h | per group: longest run h | + stagger h | + ready → taken h | "
+            "+ taken → step end h |")
+    rows, lines = [], [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for sweep, value, p in sweep_variants(preset):
         if f"{sweep}={value}" not in points:
             continue
