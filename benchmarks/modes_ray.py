@@ -9,7 +9,8 @@ distribution compressed from hours to seconds (median 5 s, 61% of runs >= 4 s, c
 elastic, forecast (sized by the calibration), forecast_online (its inputs learned from the job's
 own events), best_static (async with the split the simulator finds best for the
 calibrated workload) and planned (``ray_xlong/sim/planner.py``: plans with the simulator on the
-driver; its row lists the plans and their driver seconds); ``--quick`` runs colocated, async,
+driver, from job start with the calibration as its prior, then from the live state as its
+estimates move; its row lists the plans and their driver seconds); ``--quick`` runs colocated, async,
 elastic and planned; the calibration also measures how many of the 8 logical GPUs train at
 full speed at once on this machine's shared cores (``parallel_training_cells``).
 

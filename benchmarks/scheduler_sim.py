@@ -9,12 +9,16 @@ Prints markdown tables (every mode side by side on one sampled workload) and wri
 but planned's, whose row adds ``plans``, ``plan_wall_s_max``, ``plan_wall_s_total``,
 ``final_plan``). Sweep rows hold ``{sweep, value, lower_bound_h, colocated_h, async_h,
 elastic_h, forecast_h, best_static_h, best_static_rollout_cells, planned_h,
-planned_vs_best_baseline, planned_plans, planned_plan_wall_s_max, ...}`` (``--sweeps-only``
+planned_vs_best_baseline, planned_plans, planned_plan_wall_s_max, planned_sim_wall_s_max
+(the slowest candidate simulation of a plan, mean over its candidates), ...}`` (``--sweeps-only``
 skips the mode table; ``--no-planned`` the planned policy). ``forecast`` is our own
 mode (``ray_xlong/scheduling/forecast.py``); ``best_static`` is async with the split found best
 with hindsight on the same workload (its row has ``split: {rollout_cells, training_cells}``; every
 row has ``speedup_vs_best_static``); ``--compare-seeds`` prints elastic vs forecast per
-seed (and elastic with the newest-run drain choice alone, to separate the two ideas).
+seed (and elastic with the newest-run drain choice alone, to separate the two ideas);
+``--gap`` prints, for planned, forecast and the best fixed split at ``--points`` (default 16 and
+32 cells), where the makespan goes against the staleness admission bound
+(``sim.metrics.window_parts``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import time
 from ray_xlong.scheduling.asynchronous import AsyncPolicy
 from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
-from ray_xlong.sim.metrics import bound_parts, lower_bound_h, summarize
+from ray_xlong.sim.metrics import bound_parts, lower_bound_h, summarize, window_parts
 from ray_xlong.sim.modes import (
     best_static_split, forecast_policy, make_policies, preset_planner, preset_workload,
     simulate_preset, with_steps,
@@ -147,6 +151,8 @@ def _planned_row(p: Preset, w, *, seed: int, row: dict) -> dict:
     return {"planned_h": h, "planned_vs_best_baseline": h / best,
             "planned_plans": len(walls), "planned_plan_wall_s_max": max(walls, default=0.0),
             "planned_plan_wall_s_total": sum(walls),
+            "planned_sim_wall_s_max": max((plan.wall_s / max(1, len(plan.predicted))
+                                           for plan in policy.plans), default=0.0),
             "planned_final_plan": policy.current_label}
 
 
@@ -161,6 +167,35 @@ def bounds_table(preset: Preset, *, seed: int) -> tuple[list[dict], str]:
         rows.append({"sweep": sweep, "value": value, **{f"{k}_h": v for k, v in parts.items()}})
         lines.append(f"| {sweep} | {value} | {parts['work']:.2f} | {parts['chain']:.2f} | "
                      f"{parts['admission']:.2f} | {max(parts, key=parts.get)} |")
+    return rows, "\n".join(lines)
+
+
+def gap_table(preset: Preset, *, seed: int, points: list[str]) -> tuple[list[dict], str]:
+    """Why a point stays above its lower bound: for planned, forecast and the best fixed split,
+    the staleness window's parts (``sim.metrics.window_parts``) beside the bound's parts."""
+    head = ("| point | mode | makespan h | admission bound h | work bound h | Σ hold ÷ window h | "
+            "window not full h | per group: longest run h | + stagger h | + ready → taken h | "
+            "+ taken → step end h |")
+    rows, lines = [], [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for sweep, value, p in sweep_variants(preset):
+        if f"{sweep}={value}" not in points:
+            continue
+        w = preset_workload(p, seed=seed)
+        parts = bound_parts(workload=w, cluster=p.cluster, costs=p.costs, config=p.job)
+        split, best = best_static_split(p, workload=w, coarse=True)
+        results = {"planned": simulate_preset(p, preset_planner(p), seed=seed, workload=w),
+                   "forecast": simulate_preset(p, forecast_policy(p), seed=seed, workload=w),
+                   f"best_static ({split})": best}
+        for mode, result in results.items():
+            wp = window_parts(result, p.job)
+            rows.append({"sweep": sweep, "value": value, "mode": mode,
+                         "makespan_h": result.makespan_h,
+                         **{f"bound_{k}_h": v for k, v in parts.items()}, **wp})
+            lines.append(
+                f"| {sweep} {value} | {mode} | {result.makespan_h:.2f} | "
+                f"{parts['admission']:.2f} | {parts['work']:.2f} | {wp['full_window_h']:.2f} | "
+                f"{wp['not_full_h']:.2f} | {wp['longest_h']:.2f} | {wp['stagger_h']:.2f} | "
+                f"{wp['ready_h']:.2f} | {wp['step_h']:.2f} |")
     return rows, "\n".join(lines)
 
 
@@ -230,6 +265,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help='only these sweep points, e.g. "cells=16" "staleness bound=3"')
     ap.add_argument("--bounds", action="store_true",
                     help="print the lower bound's parts at every sweep point and exit")
+    ap.add_argument("--gap", action="store_true",
+                    help="why the --points (default cells=16, cells=32) stay above the lower "
+                         "bound: the staleness window's parts; then exit")
     ap.add_argument("--no-planned", action="store_true",
                     help="sweeps without the planned policy (it plans with the simulator)")
     ap.add_argument("--compare-seeds", type=int, nargs="*", default=None,
@@ -243,6 +281,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.bounds:
         out["bounds"], text = bounds_table(preset, seed=args.seed)
         print(text)
+        return out
+    if args.gap:
+        out["gap"], text = gap_table(preset, seed=args.seed,
+                                     points=args.points or ["cells=16", "cells=32"])
+        print(text)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
         return out
     logs: dict = {}
     if not args.sweeps_only:

@@ -39,6 +39,12 @@ job's own events; ``planned``: ``sim.planner``)."""
 QUICK_MODES = MODES + ("planned",)
 """The modes ``--quick`` (and the other small sizes) run by default."""
 
+PLAN_WALL_BUDGET = 0.02
+"""The planned policy's re-plans may pause the driver for at most this share of the job's wall
+time (its first plan, from the calibration, is made before the job starts: ``prepare``). On
+paper8, with no limit, 9 plans of 0.2–1 s each (load 15–50) made it 3.8 s slower than
+forecast, which it followed (``PlanCosts.wall_budget``)."""
+
 KEEP_TASK_WORKERS = {"num_workers_soft_limit": 64}
 """Ray settings of the embedded Ray: keep idle task workers. With two actors a cell there are
 more workers than the (logical) CPUs, the soft limit, so Ray kills every idle task worker and
@@ -195,6 +201,21 @@ def forecast_policy(config, cal: dict):
                                               horizon_h=config.harness.wall_clock_s))
 
 
+def planned_prior(config, cal: dict):
+    """The planned policy's estimates before the job's own events (it plans at job start with
+    them): run durations of the calibration's workload (its seed, not the job's: 512 runs
+    predicted from the tool times and the per-call cost) and the calibrated costs."""
+    from ray_xlong.cells.long_horizon_job import predicted_durations
+    from ray_xlong.sim.planner import prior_estimates
+
+    work = dataclasses.replace(config.work, seed=config.work.seed + 10_000)
+    durations = predicted_durations(work, runs=512, call_s=cal["call_s"],
+                                    timeout_s=config.harness.wall_clock_s)
+    per_group = cal["tokens_per_run"] * config.job.runs_per_group / cal["train_tokens_per_s"]
+    return prior_estimates(durations, train_per_group=per_group, to_train=cal["switch_s"],
+                           sync=cal["sync_s"], step_finish=cal["step_finish_s"])
+
+
 def best_static_rollout_cells(config, cal: dict) -> int:
     """The async split (rollout cells) the simulator finds best for this job's calibrated
     workload: hindsight over 1..cells-1, ties to fewer rollout cells."""
@@ -220,8 +241,10 @@ def mode_policy(mode: str, config, cal: dict):
     if mode == "planned":
         costs = PlanCosts(finish_blocks=True,
                           parallel_training_cells=cal.get("parallel_training_cells",
-                                                          float("inf")))
-        return dataclasses.replace(config, mode="planned"), planned_policy(costs=costs)
+                                                          float("inf")),
+                          wall_budget=PLAN_WALL_BUDGET)
+        return dataclasses.replace(config, mode="planned"), planned_policy(
+            costs=costs, prior=planned_prior(config, cal))
     if mode == "best_static":
         r = best_static_rollout_cells(config, cal)
         cfg = dataclasses.replace(config, mode="async", async_rollout_cells=r)
@@ -246,11 +269,14 @@ def run_modes(config, pool, modes, cal: dict, *,
         if on_mode is not None:
             on_mode(mode)
         cfg, policy = mode_policy(mode, config, cal)
+        _prepare(policy, cfg)
         reals[mode] = (cfg, policy, RayActuator(cfg, policy, pool).run())
     lb = _lower_bound(config, cal)
     rows, logs = {}, {}
     for mode, (cfg, policy, real) in reals.items():
-        sim = _simulate(mode_policy(mode, config, cal)[1], cfg, cal)  # fresh: policies learn
+        fresh = mode_policy(mode, config, cal)[1]  # fresh: policies learn
+        _prepare(fresh, cfg)
+        sim = _simulate(fresh, cfg, cal)
         rows[mode] = _row(real, sim, lb, check_invariants(
             real, staleness_bound=cfg.job.staleness_bound))
         if hasattr(policy, "plans"):
@@ -270,6 +296,12 @@ def run_modes(config, pool, modes, cal: dict, *,
         row["vs_elastic"] = row["makespan_s"] / rows.get("elastic", row)["makespan_s"]
         row["sim_vs_elastic"] = row["sim_makespan_s"] / rows.get("elastic", row)["sim_makespan_s"]
     return rows, logs, lb
+
+
+def _prepare(policy, cfg) -> None:
+    """A policy that plans ahead (planned, with its prior) plans before the job's clock."""
+    if getattr(policy, "prior", None) is not None and hasattr(policy, "prepare"):
+        policy.prepare(cfg.job, [cfg.slots_per_cell] * cfg.layout.cells)
 
 
 def _simulate(policy, cfg, cal: dict):
@@ -299,7 +331,22 @@ def _row(real, sim, lb: float, violations: list[str]) -> dict:
         "role_switches": int(t.get("switch_s_count", 0) + t.get("sync_s_count", 0)),
         "staleness_max": max(real.staleness), "token_staleness_max": real.token_staleness_max,
         "violations": violations, "placement_groups_created": real.placement_groups_created,
+        "run_s_mean": _mean_run(real.events), "sim_run_s_mean": _mean_run(sim.events),
+        "micro_batches": int(t.get("micro_batch_s_count", 0)),
+        "micro_batch_s_mean": t.get("micro_batch_s_mean", 0.0),
+        "micro_batch_tokens_mean": t.get("micro_batch_targets_mean", 0.0),
     }
+
+
+def _mean_run(events) -> float:
+    """Mean run duration of an event log (run_started → run_ended)."""
+    began, took = {}, []
+    for e in events:
+        if e.kind == "run_started":
+            began[e.run] = e.time
+        elif e.kind == "run_ended" and e.run in began:
+            took.append(e.time - began.pop(e.run))
+    return statistics.fmean(took) if took else 0.0
 
 
 def table(rows: dict) -> str:

@@ -106,3 +106,52 @@ def role_switches(events: Sequence[Event]) -> dict[int, int]:
         if e.kind == "role" and e.role in SWITCH_ROLES:
             out[e.cell] += 1
     return dict(sorted(out.items()))
+
+
+def window_parts(result: SimResult, config: SchedulingConfig) -> dict[str, float]:
+    """Where a run's makespan goes against the staleness admission bound (hours).
+
+    A group holds one of the ``(b + 1) × B`` places of the admission window from its first
+    run's start until the step that trains it has ended (the version then moves on and admits
+    a new group). So ``makespan = Σ hold ÷ ((b + 1) × B) + (time the window was not full)``,
+    and the admission bound is the first term with every hold cut to the group's longest run.
+
+    Returns (means over groups, except the totals):
+        ``longest_h`` (the group's longest run), ``stagger_h`` (its first start → last end,
+        beyond the longest run: runs started apart), ``ready_h`` (last run ended → taken by
+        a step, the step then in progress or the next), ``step_h`` (taken → the step ended:
+        training, the finish), ``full_window_h`` (Σ hold ÷ window), ``not_full_h``
+        (makespan − that: admission not the limit, e.g. the job's last groups ending).
+    """
+    g_size = config.runs_per_group
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    began: dict[int, float] = {}
+    longest: dict[int, float] = {}
+    step_end: dict[int, float] = {}
+    taken: dict[int, float] = {}  # step -> when it started (groups are taken from then on)
+    for e in result.events:
+        if e.kind == "run_started":
+            began[e.run] = e.time
+            first.setdefault(e.run // g_size, e.time)
+        elif e.kind == "run_ended":
+            g = e.run // g_size
+            last[g] = e.time
+            longest[g] = max(longest.get(g, 0.0), e.time - began.get(e.run, e.time))
+        elif e.kind == "step_ended":
+            step_end[e.step] = e.time
+        elif e.kind == "step_started":
+            taken[e.step] = e.time
+    groups = range(len(result.trained_step))
+    n = len(result.trained_step)
+    hold = [step_end[result.trained_step[g]] - first[g] for g in groups]
+    window = (config.staleness_bound + 1) * config.batch_groups
+    took = [max(last[g], taken[result.trained_step[g]]) for g in groups]
+    return {
+        "longest_h": sum(longest.values()) / n,
+        "stagger_h": sum(last[g] - first[g] - longest[g] for g in groups) / n,
+        "ready_h": sum(took[g] - last[g] for g in groups) / n,
+        "step_h": sum(step_end[result.trained_step[g]] - took[g] for g in groups) / n,
+        "full_window_h": sum(hold) / window,
+        "not_full_h": result.makespan_h - sum(hold) / window,
+    }

@@ -26,7 +26,8 @@ import dataclasses
 
 from ray_xlong.scheduling.modes import ABLATION_MODES, PAPER_MODES, ModeInputs, make_policy
 from ray_xlong.scheduling.policy import Policy
-from ray_xlong.sim.planner import PlanCosts, planned_policy
+from ray_xlong.scheduling.estimates import JobEstimates
+from ray_xlong.sim.planner import PlanCosts, planned_policy, prior_estimates
 from ray_xlong.sim.presets import Preset
 from ray_xlong.sim.simulator import SimResult, simulate
 from ray_xlong.sim.workload import Workload, sample_workload
@@ -62,7 +63,22 @@ def preset_planner(preset: Preset) -> Policy:
     the blocking step finish and the training parallelism, comes from the preset."""
     costs = PlanCosts(finish_blocks=preset.costs.finish_blocks,
                       parallel_training_cells=preset.costs.parallel_training_cells)
-    return planned_policy(costs=costs)
+    return planned_policy(costs=costs, prior=preset_prior(preset))
+
+
+def preset_prior(preset: Preset) -> JobEstimates:
+    """What an operator knows before the job: the run-length distribution the job *starts*
+    with (a drift or a shift to come is not known) and the cost model (as ``forecast`` is
+    given: :func:`forecast_inputs`)."""
+    w = dataclasses.replace(preset.workload, median_growth=1.0, token_rate_growth=1.0,
+                            then=None)
+    g = preset.job.runs_per_group
+    sample = sample_workload(w, runs=512 * g, group_size=g, seed=987_654)  # 4,096 at G = 8
+    per_group = g * w.tokens_per_run_h * w.mean_duration_h() * w.unique_token_frac \
+        / preset.costs.train_tokens_per_cell_h
+    c = preset.costs
+    return prior_estimates(sample.durations_h, train_per_group=per_group,
+                           to_train=c.to_train_h, sync=c.sync_h, step_finish=c.step_fixed_h)
 
 
 def best_static_split(preset: Preset, *, workload: Workload,

@@ -7,33 +7,38 @@ runs:
 ```
 events ──observe──► EventEstimator (run lengths: Kaplan-Meier of recent runs; training
                     cell-time per group; switch and sync costs — scheduling/estimates.py)
-step boundary, estimates moved (or every `replan_steps`) ──► plan:
-    remaining job (steps left, same batch, bound, cells, slots), a workload drawn from the
-    estimated run-length distribution, the learned costs
+                    LiveJob (groups in flight with their versions, live runs with cell and start)
+job start (with a prior) / step boundary, estimates moved (or every `replan_steps`) ──► plan:
+    remaining job (steps left, same batch, bound, cells, slots), started from the live state:
+    the cells' roles and switch ends, the groups in flight and ready, each live run finishing
+    at a draw from the run-length distribution given its age; future runs drawn from it too
     for each candidate (colocated, elastic, forecast at several horizons, fixed splits):
-        simulate(candidate, remaining job)   ← the same simulator and settle loop as the job
+        simulate(candidate, remaining job, start=live state)   ← the same simulator and
+                                                                 settle loop as the job
     follow the candidate with the shortest predicted makespan (kept unless another is
     `hysteresis` better)
 every decision ──► the followed candidate's decide(snapshot, event)
 ```
 
-Until ``min_steps`` steps have ended there is nothing to plan with, and the policy runs as
-``colocated`` (the one candidate that needs no estimate; where it is the best plan, small
-clusters, the warm-up then costs nothing: with an elastic warm-up, paper-2.4t-shift at 2 cells
-came out 2.1% over colocated, with this one equal to it). Changing plans never interrupts a live run: every candidate reads only the
-snapshot, and the cell machine refuses any move that would leave a cell with live runs.
+With a ``prior`` (estimates before the job's own events: a calibration job, the operator's
+run-length distribution and cost model) the policy plans at job start; without one it runs as
+``colocated`` until ``min_steps`` steps have ended (the one candidate that needs no estimate).
+Changing plans never interrupts a live run: every candidate reads only the snapshot, the
+planning simulation starts from the live state (so each candidate is charged the cost of taking
+over from the plan followed so far), and the cell machine refuses any move that would leave a
+cell with live runs.
 
-The planning simulation starts the remaining job from an idle cluster (the snapshot's runs in
-flight are not carried over), and jobs with many slots are planned at a reduced scale
-(batch and slots ÷ ``k``, each run's training work × ``k``: the same per-step rollout and
-training time) so that a plan costs a bounded number of small simulations. Each plan is
-recorded (:class:`PlanRecord`: time, predicted makespans, wall seconds on the driver).
+Jobs with many slots are planned at a reduced scale (batch and slots ÷ ``k``, every ``k``-th
+group in flight, each run's training work × ``k``: the same per-step rollout and training time)
+so that a plan costs a bounded number of small simulations. Each plan is recorded
+(:class:`PlanRecord`: time, predicted makespans, wall seconds on the driver).
 
-State: the estimator, the followed plan and the plan log (build one per job).
+State: the estimator, the live job, the followed plan and the plan log (build one per job).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import random
 import time
@@ -46,11 +51,12 @@ from ray_xlong.scheduling.elastic import ElasticPolicy
 from ray_xlong.scheduling.estimates import EventEstimator, JobEstimates
 from ray_xlong.scheduling.events import Event
 from ray_xlong.scheduling.forecast import ForecastPolicy
+from ray_xlong.scheduling.machine import CellMachine
 from ray_xlong.scheduling.moves import Move
 from ray_xlong.scheduling.policy import Policy
 from ray_xlong.scheduling.state import ClusterState, SchedulingConfig
 from ray_xlong.sim.cluster import ClusterConfig, CostConfig
-from ray_xlong.sim.simulator import SimulationStalled, simulate
+from ray_xlong.sim.simulator import SimulationStalled, StartState, simulate
 from ray_xlong.sim.workload import Workload
 
 HORIZONS = (0.5, 1.0)
@@ -84,6 +90,11 @@ class PlanCosts:
     """The step finish blocks the actuator (the Ray driver: True)."""
     parallel_training_cells: float = float("inf")
     """Cells training at full speed at once (``CostConfig``)."""
+    wall_budget: float | None = None
+    """Most share of the job's wall time the driver may spend re-planning (a plan pauses the
+    driver between steps: on Ray a paper8 plan took 0.2–1 s of a ~25 s job); a plan falls due
+    only while the plans so far stay within it. None: no limit (the simulator's jobs run in
+    no wall time)."""
 
 
 @dataclass(slots=True)
@@ -119,42 +130,80 @@ class PlannedPolicy:
     """The estimates of the last plan."""
     seen_version: int = 0
     """Version of the last decision (a new one is a step boundary)."""
+    prior: JobEstimates | None = None
+    """Estimates before the job's own events (the operator's: a calibration, the cost model);
+    with one the policy plans at job start instead of warming up as ``colocated``."""
+    from_snapshot: bool = True
+    """Plan the remaining job from the live state (runs in flight with their ages, the cells'
+    roles); False: from an idle cluster."""
+    live: LiveJob = field(default_factory=lambda: LiveJob())
+    """The live part of the job (groups in flight, live runs), from the events."""
+    started_wall: float | None = None
+    """Driver clock (``perf_counter``) of the first decision."""
+    spent_wall: float = 0.0
+    """Driver seconds spent planning during the job (``PlanCosts.wall_budget``)."""
 
     def __post_init__(self) -> None:
         for name in ("min_steps", "replan_steps", "plan_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PlannedPolicy.{name}: must be >= 1, got {getattr(self, name)}")
 
-    def observe(self, events) -> None:
-        """New events of the log (the settle loop calls this before every decision)."""
-        self.estimator.observe(events)
+    def prepare(self, config: SchedulingConfig, slots) -> PlanRecord:
+        """Plan the job from its prior before it starts (an idle cluster of ``slots`` per
+        cell), so that the job's clock does not pay for the first plan."""
+        if self.prior is None:
+            raise ValueError("PlannedPolicy.prepare: needs a prior")
+        idle = CellMachine(config, slots=list(slots)).snapshot(0.0)
+        self.estimator.configure(config.batch_groups, config.runs_per_group)
+        self.live.group_size = config.runs_per_group
+        record = self.plan(idle, self.prior)
+        self.spent_wall = 0.0  # not the job's time
+        return record
 
     def decide(self, state: ClusterState, event: Event) -> tuple[Move, ...]:
-        """Re-plan at a step boundary when due, then the followed candidate's moves."""
+        """Plan at job start (with the prior) and at a step boundary when due, then the
+        followed candidate's moves."""
+        if self.started_wall is None:
+            self.started_wall = time.perf_counter()
         if self.estimator.group_size is None:
             self.estimator.configure(state.config.batch_groups, state.config.runs_per_group)
-        if state.version != self.seen_version:
+            self.live.group_size = state.config.runs_per_group
+        boundary = state.step < 0 and not state.done
+        if boundary and not self.plans and self.prior is not None:
+            self.plan(state, self.prior)
             self.seen_version = state.version
-            if not state.done and self._due(state):
-                self.plan(state)
+        elif boundary and state.version != self.seen_version:
+            self.seen_version = state.version
+            est = self._due(state)
+            if est is not None:
+                self.plan(state, est)
         return self.current.decide(state, event)
 
-    def _due(self, state: ClusterState) -> bool:
+    def _due(self, state: ClusterState) -> JobEstimates | None:
+        """The estimates to plan with now, or None (no plan due)."""
         est = self.estimator.estimates(state.time, state.config.batch_groups,
                                        min_steps=self.min_steps)
         if est is None:
-            return False
+            return None
+        budget = self.costs.wall_budget
+        if budget is not None and self.spent_wall >= budget * (
+                time.perf_counter() - (self.started_wall or time.perf_counter())):
+            return None
         if self.basis is None or not self.plans:
-            return True
-        return est.moved(self.basis, self.tolerance) or \
+            return est
+        due = est.moved(self.basis, self.tolerance) or \
             state.version - self.plans[-1].version >= self.replan_steps
+        return est if due else None
 
-    def plan(self, state: ClusterState) -> PlanRecord:
-        """Simulate every candidate over the remaining work; follow the best."""
+    def plan(self, state: ClusterState, est: JobEstimates | None = None) -> PlanRecord:
+        """Simulate every candidate over the remaining work, from the live state; follow the
+        best. ``est``: the estimates to plan with (default: the learned ones)."""
         t0 = time.perf_counter()
-        est = self.estimator.estimates(state.time, state.config.batch_groups, min_steps=1)
-        assert est is not None  # _due checked
-        job, cluster, costs, workload = self._remaining(state, est)
+        if est is None:
+            est = self.estimator.estimates(state.time, state.config.batch_groups, min_steps=1)
+        if est is None:
+            raise ValueError("PlannedPolicy.plan: no estimates yet and no prior")
+        job, cluster, costs, workload, start = self._remaining(state, est)
         predicted: dict[str, float] = {}
         policies: dict[str, Policy] = {}
         per_group = workload.group_tokens(0)  # planning units: cell-time a group of the job
@@ -162,22 +211,29 @@ class PlannedPolicy:
             policy = make(per_group)
             try:
                 result = simulate(policy, workload=workload, cluster=cluster, costs=costs,
-                                  config=job)
+                                  config=job, start=start)
             except SimulationStalled:
                 continue
             predicted[label], policies[label] = result.makespan_h, make(est.train_per_group)
         best = min(predicted, key=predicted.get, default=self.current_label)
         keep = best == self.current_label or (self.current_label in predicted and (
             predicted[self.current_label] <= predicted[best] * (1 + self.hysteresis)))
-        if not keep:
+        if not keep or not self.plans:
             self.current, self.current_label = policies[best], best
         record = PlanRecord(time=state.time, version=state.version, predicted=predicted,
                             chosen=self.current_label, wall_s=time.perf_counter() - t0)
+        self.spent_wall += record.wall_s
         self.plans.append(record)
         self.basis = est
         return record
 
+    def observe(self, events) -> None:
+        """New events of the log (the settle loop calls this before every decision)."""
+        self.estimator.observe(events)
+        self.live.observe(events)
+
     def _remaining(self, state: ClusterState, est: JobEstimates):
+        """The remaining job at planning scale, its workload and its start (the live state)."""
         cfg = state.config
         slots = min(c.slots for c in state.cells)
         k = max(1, min(cfg.batch_groups // self.plan_batch, slots // 16))
@@ -195,10 +251,72 @@ class PlannedPolicy:
                            parallel_training_cells=self.costs.parallel_training_cells,
                            finish_blocks=self.costs.finish_blocks)
         rng = random.Random(self.seed + state.version)
-        q = est.duration_quantiles
+        q = sorted(est.duration_quantiles)
         durations = tuple(rng.choice(q) for _ in range(job.total_runs))
+        start = self.live.start_state(state, q, every=k, max_groups=job.total_groups, rng=rng) \
+            if self.from_snapshot else None
         return job, cluster, costs, Workload(durations, (per_run,) * job.total_runs,
-                                             cfg.runs_per_group)
+                                             cfg.runs_per_group), start
+
+
+class LiveJob:
+    """The live part of the job as the events tell it: groups in flight with their versions,
+    live runs with their cells and starts, the ended groups (the untaken ones are the newest:
+    steps take the oldest first). O(1) per event; :meth:`start_state` builds the planning
+    simulation's start from it and a snapshot."""
+
+    def __init__(self) -> None:
+        self.runs: dict[int, tuple[int, int, float]] = {}  # live run -> (group, cell, start)
+        self.groups: dict[int, list[int]] = {}  # group in flight -> [version, started, ended]
+        self.ended: list[tuple[int, int]] = []  # (version, group) of ended groups
+        self.group_size = 0
+
+    def observe(self, events) -> None:
+        """Fold new events in (log order)."""
+        for e in events:
+            if e.kind in ("run_started", "run_restarted"):
+                if e.run not in self.runs and e.kind == "run_started":
+                    self.groups.setdefault(e.group, [e.version, 0, 0])[1] += 1
+                self.runs[e.run] = (e.group, e.cell, e.time)
+            elif e.kind == "run_ended":
+                self.runs.pop(e.run, None)
+                g = self.groups.get(e.group)
+                if g is None:
+                    continue
+                g[2] += 1
+                if self.group_size and g[2] >= self.group_size:
+                    self.ended.append((g[0], e.group))
+                    del self.groups[e.group]
+
+    def start_state(self, state: ClusterState, quantiles: list[float], *, every: int,
+                    max_groups: int, rng: random.Random) -> StartState:
+        """The planning simulation's start: every ``every``-th group in flight or ready (the
+        planning scale), rebased to ``state``'s time and version; each live run's time left
+        drawn from ``quantiles`` (sorted run durations) given its age."""
+        self.group_size = self.group_size or state.config.runs_per_group
+        g_size = self.group_size
+        ready = sorted(self.ended)[max(0, len(self.ended) - state.ready_groups):] \
+            if state.ready_groups else []
+        self.ended = ready  # the others were taken by steps
+        rows = [(g, v, g_size, 0) for v, g in ready]
+        rows += [(g, v, ended, g_size - started) for g, (v, started, ended) in self.groups.items()]
+        rows.sort()
+        keep = {g for g, *_ in rows[::every][:max_groups]}
+        index = {g: i for i, g in enumerate(sorted(keep))}
+        where = {c.cell: i for i, c in enumerate(state.cells)}
+        live = []
+        for g, cell, began in self.runs.values():
+            if g in index and cell in where:
+                age = state.time - began
+                j = bisect.bisect_right(quantiles, age)
+                left = rng.choice(quantiles[j:]) - age if j < len(quantiles) else \
+                    0.05 * max(age, quantiles[-1] if quantiles else 0.0)
+                live.append((index[g], where[cell], began - state.time, left))
+        groups = tuple((v - state.version, ended, unstarted)
+                       for g, v, ended, unstarted in rows if g in index)
+        return StartState(groups=groups, live=tuple(live),
+                          roles=tuple(c.role for c in state.cells),
+                          ready_at=tuple(c.ready_at - state.time for c in state.cells))
 
 
 def candidates(est: JobEstimates, per_group: float, cluster: ClusterConfig,
@@ -238,6 +356,20 @@ def splits(est: JobEstimates, per_group: float, cluster: ClusterConfig,
     return sorted(spread | near)
 
 
+def prior_estimates(durations, *, train_per_group: float, to_train: float = 0.0,
+                    sync: float = 0.0, step_finish: float = 0.0,
+                    quantiles: int = 200) -> JobEstimates:
+    """Estimates before the job's own events: run durations from a sample (a calibration job,
+    the operator's distribution), the costs of the cost model (log unit)."""
+    d = sorted(durations)
+    if not d or train_per_group <= 0:
+        raise ValueError("prior_estimates: need durations and train_per_group > 0")
+    q = tuple(d[min(len(d) - 1, int((k + 0.5) / quantiles * len(d)))] for k in range(quantiles))
+    return JobEstimates(duration_quantiles=q, train_per_group=train_per_group,
+                        to_train=to_train, sync=sync, step_finish=step_finish, horizon=d[-1],
+                        runs_ended=0, steps_ended=0)
+
+
 def planned_policy(*, costs: PlanCosts = PlanCosts(), **options) -> PlannedPolicy:
     """A new :class:`PlannedPolicy` (``options``: its fields)."""
     return PlannedPolicy(costs=costs, **options)
@@ -247,4 +379,5 @@ def with_costs(policy: PlannedPolicy, costs: PlanCosts) -> PlannedPolicy:
     """The same policy settings with other operator-given costs (a fresh state)."""
     return dataclasses.replace(policy, costs=costs, estimator=EventEstimator(),
                                current=ColocatedPolicy(), current_label="colocated", plans=[],
-                               basis=None, seen_version=0)
+                               basis=None, seen_version=0, live=LiveJob(), started_wall=None,
+                               spent_wall=0.0)

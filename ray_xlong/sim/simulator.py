@@ -14,6 +14,10 @@ With ``CostConfig.finish_blocks`` that fixed cost blocks the actuator, as it blo
 driver: events falling inside it are handled when it ends (runs that ended meanwhile free
 their slots, and new runs start, only then).
 
+A simulation may start from a job already under way (:class:`StartState`: the planner's
+picture of a live cluster): groups in flight with their versions, live runs with the time each
+has left, cells' roles and the ends of their switches.
+
 Invariants: the policy is called with the state *after* each event, and again at the same
 instant until it returns no moves (at most ``MAX_ROUNDS`` + 4 per cell); the run is deterministic for a
 (workload, policy, configs) tuple; a stall (nothing scheduled, job not done) raises.
@@ -38,6 +42,23 @@ EPS = 1e-9
 
 class SimulationStalled(RuntimeError):
     """Nothing is scheduled but the job is not done (the policy waits for nothing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartState:
+    """A job under way at a step boundary (no step in progress), time 0 = now, version 0 = the
+    live version. Groups are the job's first groups (run ids ``g * G ..``); only the last may
+    have unstarted runs."""
+
+    groups: tuple[tuple[int, int, int], ...]
+    """Per group, in start order: ``(version, runs ended, runs not started)`` (version <= 0:
+    how many steps before the live version its first run started)."""
+    live: tuple[tuple[int, int, float, float], ...]
+    """Live runs: ``(group, cell, start (<= 0), time left)``."""
+    roles: tuple[Role, ...]
+    """Each cell's role (training cells idle: no step is in progress)."""
+    ready_at: tuple[float, ...]
+    """When each cell's switch or sync ends (<= 0: ready)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +88,8 @@ class SimResult:
 
 class _Sim:
     def __init__(self, policy: Policy, workload: Workload, cluster: ClusterConfig,
-                 costs: CostConfig, config: SchedulingConfig) -> None:
+                 costs: CostConfig, config: SchedulingConfig,
+                 start: StartState | None = None) -> None:
         if len(workload.durations_h) != config.total_runs:
             raise ValueError(
                 f"simulate.workload: {len(workload.durations_h)} runs, job needs {config.total_runs}"
@@ -82,6 +104,44 @@ class _Sim:
         self.finishing = False
         self.blocked_until = -1.0  # costs.finish_blocks: the driver is busy ending a step
         self.busy = 0.0
+        if start is not None:
+            self._resume(start)
+
+    def _resume(self, start: StartState) -> None:
+        """Put the machine in ``start``'s state (see :class:`StartState`)."""
+        m, led, g_size = self.m, self.m.ledger, self.m.config.runs_per_group
+        if len(start.groups) > led.config.total_groups or len(start.roles) != len(m.slots):
+            raise ValueError(f"StartState: {len(start.groups)} groups / {len(start.roles)} "
+                             f"cells for a job of {led.config.total_groups} / {len(m.slots)}")
+        live_of: dict[int, list] = {}
+        for g, cell, began, left in start.live:
+            live_of.setdefault(g, []).append((began, cell, left))
+        for g, (version, ended, unstarted) in enumerate(start.groups):
+            live = sorted(live_of.get(g, ()))
+            if g < len(start.groups) - 1:
+                unstarted = 0  # only the last group may be partly started
+            ended = g_size - unstarted - len(live)
+            if ended < 0:
+                raise ValueError(f"StartState: group {g} has {len(live)} live runs, "
+                                 f"{unstarted} not started, group size {g_size}")
+            led.group_version[g] = version
+            led._untaken[version] = led._untaken.get(version, 0) + 1
+            led.runs_left[g] = g_size - ended
+            if not led.runs_left[g]:
+                heapq.heappush(led._ready, (version, g))
+                led._untaken_ready[version] = led._untaken_ready.get(version, 0) + 1
+            for j, (began, cell, left) in enumerate(live):
+                run = g * g_size + ended + j
+                m.live[cell][run] = began
+                m.run_cell[run] = cell
+                self.push(max(0.0, left), "run_end", cell, run)
+            led.next_run = g * g_size + g_size - unstarted
+        for cell, (role, ready) in enumerate(zip(start.roles, start.ready_at)):
+            m.role[cell] = role
+            if ready > 0:
+                self.delay(cell, ready)
+        for cell in range(len(m.slots)):  # a live dict is oldest first
+            m.live[cell] = dict(sorted(m.live[cell].items(), key=lambda kv: kv[1]))
 
     def push(self, t: float, what: str, a: int = -1, b: int = -1) -> None:
         self.seq += 1
@@ -202,12 +262,13 @@ class _Sim:
 
 
 def simulate(policy: Policy, *, workload: Workload, cluster: ClusterConfig, costs: CostConfig,
-             config: SchedulingConfig) -> SimResult:
-    """Run ``policy`` on ``workload`` until every step is trained.
+             config: SchedulingConfig, start: StartState | None = None) -> SimResult:
+    """Run ``policy`` on ``workload`` until every step is trained (from ``start``: a job
+    under way; None: an idle cluster at time 0).
 
     Returns:
         SimResult with the makespan, busy cell-hours, per-group staleness and the event log.
     Raises:
         SimulationStalled, TransitionError, StalenessError on a broken policy.
     """
-    return _Sim(policy, workload, cluster, costs, config).run()
+    return _Sim(policy, workload, cluster, costs, config, start).run()

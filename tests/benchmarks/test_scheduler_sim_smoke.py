@@ -51,3 +51,18 @@ def test_scheduler_sim_sweep_rows_carry_best_static_and_planned(tmp_path, capsys
     assert "| planned h |" in capsys.readouterr().out
     mod.main(["--preset", "paper-2.4t", "--bounds"])
     assert "| cells | 32 |" in capsys.readouterr().out
+
+
+@pytest.mark.benchmark
+def test_scheduler_sim_gap_splits_the_makespan_into_the_window_parts(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("scheduler_sim", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--preset", "paper-2.4t", "--seed", "0", "--steps", "2", "--gap",
+                    "--points", "cells=4"])
+    rows = out["gap"]
+    assert {r["mode"].split(" ")[0] for r in rows} == {"planned", "forecast", "best_static"}
+    for r in rows:
+        assert r["full_window_h"] + r["not_full_h"] == pytest.approx(r["makespan_h"])
+        assert r["makespan_h"] >= r["bound_admission_h"] - 1e-9
+    assert "| cells 4 | planned |" in capsys.readouterr().out

@@ -74,3 +74,10 @@ def test_the_learning_modes_get_a_fresh_policy_each_and_a_job_mode_that_names_th
     assert cfg.mode == "planned" and isinstance(planned, PlannedPolicy)
     assert planned.costs.finish_blocks and planned.costs.parallel_training_cells == 2.5
     assert mode_policy("planned", config, cal)[1] is not planned   # Ray and sim: one each
+    # it plans at job start from the calibration: its costs, the calibration seed's runs
+    prior = planned.prior
+    assert prior.train_per_group == pytest.approx(2 * 300.0 / 2000.0)
+    assert prior.step_finish == 0.2 and prior.sync == 0.2 and prior.to_train == 0.1
+    from ray_xlong.jobs.mode_bench import PLAN_WALL_BUDGET
+    assert planned.costs.wall_budget == PLAN_WALL_BUDGET
+    assert 0 < min(prior.duration_quantiles) <= max(prior.duration_quantiles) <= 6.0 + 1e-9

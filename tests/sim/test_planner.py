@@ -3,7 +3,9 @@ from any plan mid-job without breaking a rule, and its plans are recorded with t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import random
 
 import pytest
 
@@ -11,11 +13,17 @@ from ray_xlong.scheduling.asynchronous import AsyncPolicy
 from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
 from ray_xlong.scheduling.forecast import ForecastPolicy
-from ray_xlong.scheduling.state import SchedulingConfig
+from ray_xlong.scheduling.state import Role, SchedulingConfig
 from ray_xlong.sim.cluster import ClusterConfig, CostConfig
-from ray_xlong.sim.planner import PlannedPolicy, planned_policy
-from ray_xlong.sim.simulator import simulate
-from ray_xlong.sim.workload import WorkloadConfig, sample_workload
+from ray_xlong.sim.planner import (
+    LiveJob,
+    PlanCosts,
+    PlannedPolicy,
+    planned_policy,
+    prior_estimates,
+)
+from ray_xlong.sim.simulator import StartState, simulate
+from ray_xlong.sim.workload import Workload, WorkloadConfig, sample_workload
 
 JOB = SchedulingConfig(total_steps=10, batch_groups=8, runs_per_group=4, staleness_bound=3)
 COSTS = CostConfig(train_tokens_per_cell_h=2e4, step_fixed_h=0.05, to_train_h=0.1, sync_h=0.2)
@@ -81,3 +89,101 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="PlannedPolicy.replan_steps"):
         PlannedPolicy(replan_steps=0)
     assert dataclasses.replace(planned_policy(), seed=3).seed == 3
+
+
+class Probe:
+    """Elastic, checking at every step boundary that the planner's picture of the live job
+    (``LiveJob.start_state`` at full scale) matches the cluster snapshot."""
+
+    name = "probe"
+
+    def __init__(self):
+        self.live, self.inner, self.checked = LiveJob(), ElasticPolicy(), 0
+        self.live.group_size = JOB.runs_per_group
+
+    def observe(self, events):
+        self.live.observe(events)
+
+    def decide(self, state, event):
+        if state.step < 0 and not state.done and state.version > 0:
+            start = self.live.start_state(state, [1.0, 2.0, 3.0], every=1, max_groups=10**6,
+                                          rng=random.Random(0))
+            per_cell = collections.Counter(cell for _, cell, _, _ in start.live)
+            assert [per_cell[i] for i in range(len(state.cells))] == \
+                [c.live_runs for c in state.cells]
+            ended = sum(1 for _, e, u in start.groups if e == JOB.runs_per_group)
+            assert ended == state.ready_groups
+            assert all(v <= 0 and v >= -JOB.staleness_bound for v, _, _ in start.groups)
+            assert all(began <= 0 and left >= 0 for _, _, began, left in start.live)
+            self.checked += 1
+        return self.inner.decide(state, event)
+
+
+def test_the_live_picture_matches_the_snapshot_at_every_step_boundary():
+    probe = Probe()
+    run(probe)
+    assert probe.checked >= JOB.total_steps - 2
+
+
+def test_a_simulation_resumes_from_a_live_state():
+    # one step of one group: its two runs live on cell 0 (3 h and 5 h left), cell 1 syncing
+    # until 0.5 h; colocated waits for the later run, switches, trains, ends the step
+    job = SchedulingConfig(total_steps=1, batch_groups=1, runs_per_group=2, staleness_bound=1)
+    start = StartState(groups=((0, 0, 0),), live=((0, 0, -1.0, 3.0), (0, 0, -2.0, 5.0)),
+                       roles=(Role.ROLLOUT, Role.SYNCING), ready_at=(0.0, 0.5))
+    work = Workload((9.0, 9.0), (10.0, 10.0), 2)
+    costs = CostConfig(train_tokens_per_cell_h=10.0, step_fixed_h=0.25, to_train_h=0.5,
+                       sync_h=0.0)
+    result = simulate(ColocatedPolicy(), workload=work, cluster=ClusterConfig(2, 1, 1, 4),
+                      costs=costs, config=job, start=start)
+    # at 5 h both cells switch (0.5 h), train 20 tokens at 10/h on 2 cells (1 h), finish 0.25 h
+    assert result.makespan_h == pytest.approx(5.0 + 0.5 + 1.0 + 0.25)
+    assert max(result.staleness) <= job.staleness_bound
+
+
+def test_with_a_prior_the_policy_plans_at_job_start():
+    sample = sample_workload(WorkloadConfig(median_run_h=2.0, sigma=0.8, timeout_h=4.0,
+                                            tokens_per_run_h=1000.0),
+                             runs=512, group_size=4, seed=7)
+    prior = prior_estimates(sample.durations_h, train_per_group=4 * 1000.0 * 1.9 / 2e4,
+                            to_train=0.1, sync=0.2, step_finish=0.05)
+    policy = planned_policy(prior=prior)
+    result = run(policy)
+    assert policy.plans[0].version == 0 and policy.plans[0].time == 0.0
+    assert policy.plans[0].chosen == min(policy.plans[0].predicted,
+                                         key=policy.plans[0].predicted.get)
+    assert len(set(result.trained_step)) == JOB.total_steps
+    with pytest.raises(ValueError, match="prior_estimates"):
+        prior_estimates([], train_per_group=1.0)
+
+
+def test_window_parts_add_up_to_the_makespan():
+    from ray_xlong.sim.metrics import bound_parts, window_parts
+
+    result = run(ElasticPolicy())
+    parts = window_parts(result, JOB)
+    assert parts["full_window_h"] + parts["not_full_h"] == pytest.approx(result.makespan_h)
+    # each group holds its place at least for its longest run: the admission bound
+    bound = bound_parts(workload=WORK, cluster=ClusterConfig(4, 1, 1, 16), costs=COSTS,
+                        config=JOB)["admission"]
+    assert parts["full_window_h"] >= bound - 1e-9
+    assert min(parts["stagger_h"], parts["ready_h"], parts["step_h"]) >= 0
+
+
+def test_prepare_plans_before_the_job_and_a_wall_budget_holds_re_plans_back():
+    sample = sample_workload(WorkloadConfig(median_run_h=2.0, sigma=0.8, timeout_h=4.0,
+                                            tokens_per_run_h=1000.0),
+                             runs=512, group_size=4, seed=7)
+    prior = prior_estimates(sample.durations_h, train_per_group=0.4)
+    policy = planned_policy(prior=prior, costs=PlanCosts(wall_budget=0.0))
+    first = policy.prepare(JOB, [16] * 4)
+    assert policy.plans == [first] and first.version == 0 and policy.spent_wall == 0.0
+    result = run(policy)
+    assert policy.plans == [first]  # a zero budget: no plan during the job
+    assert len(set(result.trained_step)) == JOB.total_steps
+    free = planned_policy(prior=prior)
+    free.prepare(JOB, [16] * 4)
+    run(free)
+    assert len(free.plans) > 1
+    with pytest.raises(ValueError, match="prepare"):
+        planned_policy().prepare(JOB, [16] * 4)
