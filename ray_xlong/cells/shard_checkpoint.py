@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import pathlib
+import threading
 from typing import Any, Callable, Mapping
 
 import torch
@@ -86,7 +87,17 @@ class ShardCheckpointer:
         info = {"format": FORMAT, "version": int(version), **dict(meta)}
         extra = dict(files or {})
 
-        def done(fut: Any) -> None:
+        ran: list[bool] = []
+        lock = threading.Lock()
+
+        def done(fut: Any) -> None:   # once, from the writer's callback or from wait()
+            with lock:
+                if ran:
+                    return
+                ran.append(True)
+                _finish(fut)
+
+        def _finish(fut: Any) -> None:
             exc = fut.exception()
             if exc is not None:
                 self.error = exc
@@ -111,6 +122,7 @@ class ShardCheckpointer:
             fut = dcp.async_save(state, checkpoint_id=path, process_group=pg, no_dist=no_dist)
             fut = getattr(fut, "upload_completion", fut)   # AsyncSaveResponse in newer torch
         self.future, self.path, self.error = fut, path, None
+        self._done = done
         if block:
             done(fut)
             self.future = None
@@ -130,6 +142,7 @@ class ShardCheckpointer:
             fut.result()
         except Exception as exc:  # noqa: BLE001 - logged by the callback; the job goes on
             self.error = exc
+        self._done(fut)          # its records written (the callback may still be running)
         if self.error is not None and raise_error:
             raise RuntimeError(f"Learner checkpoint {self.path} failed: {self.error!r}") \
                 from self.error

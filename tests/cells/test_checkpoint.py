@@ -92,3 +92,13 @@ def test_a_checkpoint_of_another_job_is_refused(tmp_path):
     act = FakeJob.make(other).actuator()
     with pytest.raises(ValueError, match="is not a checkpoint of this job"):
         act.run(resume_from=pathlib_of(cfg))
+
+
+def test_a_checkpoint_of_another_format_is_refused_naming_both(tmp_path):
+    cfg = fake_config(tmp_path, checkpoint=True, steps=3)
+    first_driver(cfg)
+    saved = torch.load(pathlib_of(cfg), weights_only=False)
+    torch.save({**saved, "format": 2}, pathlib_of(cfg))
+    act = FakeJob.make(cfg).actuator()
+    with pytest.raises(ValueError, match="checkpoint of format 2; this version reads format 3"):
+        act.run(resume_from=pathlib_of(cfg))

@@ -2,7 +2,8 @@
 
 ``trained_algo``: one ``XLongAlgorithm`` (2 cells, 2 groups × 4 runs per step, a plain tiny
 model, the user's own task by factory, evaluation every second iteration) trained 3 steps; its
-checkpoint, weights and callbacks as they were after step 2; the RLlib deprecation warnings
+checkpoint, Hugging Face export, weights and callbacks as they were after step 2; the RLlib
+deprecation warnings
 logged while it ran. ``test_algorithm.py`` (steps 1-2, the checkpoint) and ``test_results.py``
 (steps 1-3: RLlib's result check, documented keys, lifetime counters) read it; building cells and
 training cost ~30-60 s, paid once.
@@ -33,6 +34,10 @@ class TrainedAlgo:
     """``RecordingCallbacks.seen`` after step 2."""
     deprecations: list[str]
     """Warnings of ``ray._common.deprecation`` logged while it was built and trained."""
+    exported: Any = None
+    """``export_hf`` after step 2 (a Hugging Face directory)."""
+    model_dir: str = ""
+    """The policy directory it was built from."""
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +69,7 @@ def trained_algo(tmp_path_factory) -> TrainedAlgo:
         callbacks = list(RecordingCallbacks.seen)
         path = tmp_path_factory.mktemp("ckpt") / "algo"
         algo.save_to_path(str(path))
+        exported = algo.export_hf(str(tmp_path_factory.mktemp("export") / "hf"))
         weights = {k: v.clone() for k, v in
                    ray.get(algo.actuator.learners.state_ref)["weights"].items()}
         results.append(algo.train())
@@ -71,4 +77,4 @@ def trained_algo(tmp_path_factory) -> TrainedAlgo:
     finally:
         logging.getLogger("ray._common.deprecation").removeHandler(handler)
         ray.shutdown()
-    return TrainedAlgo(results, path, weights, callbacks, seen)
+    return TrainedAlgo(results, path, weights, callbacks, seen, exported, model_dir)
