@@ -198,7 +198,7 @@ def test_every_holder_of_the_state_lost_reloads_the_checkpoint_and_replays(tmp_p
     act.injector = OnceWhen(lose_every_holder)
     result = act.run()
     assert act.injector.fired, "the job never reached version 3 with a checkpoint started"
-    holders, update3 = act.injector.fired
+    _, update3 = act.injector.fired
     (state,) = [f for f in result.faults if f.kind == "state"]
     assert "reloaded version 2, replayed 1 steps" in state.why
     assert state.runs_from_spool == len(result.trained_runs[2])
