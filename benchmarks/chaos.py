@@ -52,7 +52,7 @@ KINDS = ("runner", "learner", "node", "driver")
 
 
 def make_config(root: str, workdir: str, *, cells: int, steps: int, seed: int, groups: int,
-                runs_per_group: int, checkpoint_every: int):
+                runs_per_group: int, checkpoint_every: int, policy_seed: int = 1):
     """The elastic job on the warm-started lookup policy (the local RL recipe)."""
     from ray_xlong.cells.config import CellJobConfig, LearnerSettings
     from ray_xlong.cells.pool import CellLayout
@@ -60,7 +60,7 @@ def make_config(root: str, workdir: str, *, cells: int, steps: int, seed: int, g
     from ray_xlong.rllib.options import RECIPE_HARNESS, RECIPE_LR
     from ray_xlong.scheduling import SchedulingConfig
 
-    model_dir = warm_started_model_dir(workdir, seed=seed)
+    model_dir = warm_started_model_dir(workdir, seed=policy_seed)
     job = SchedulingConfig(total_steps=steps, batch_groups=groups, runs_per_group=runs_per_group,
                            staleness_bound=1)
     return CellJobConfig(
@@ -111,8 +111,14 @@ def run(args) -> dict:
     config = make_config(root, args.workdir or os.path.join(root, "work"), cells=args.cells,
                          steps=steps, seed=args.seed, groups=args.groups,
                          runs_per_group=args.runs_per_group,
-                         checkpoint_every=args.checkpoint_every)
+                         checkpoint_every=args.checkpoint_every, policy_seed=args.policy_seed)
     kinds = [k for k in args.kinds.split(",") if k]
+    import benchmarks.faults as bf
+
+    # a removed node is found in ~10 s; the faults benchmark's ~2 s marks busy nodes dead
+    # under a heavy load
+    bf.HEALTH = {**bf.HEALTH, "health_check_period_ms": 1000, "health_check_timeout_ms": 2000,
+                 "health_check_failure_threshold": 10}
     cluster = LocalCluster(args.cells)
     cfg_path, out = os.path.join(root, "config.pkl"), os.path.join(root, "result.pkl")
     fired = os.path.join(root, "fired.txt")
@@ -125,7 +131,7 @@ def run(args) -> dict:
     rewards_path = settings + ".rewards"
     logs = open(os.path.join(root, "drivers.log"), "ab")
     injected: collections.Counter = collections.Counter()
-    restarts, down = 0, []
+    restarts, crashes, down = 0, 0, []
     t0 = time.time()
     driver = subprocess.Popen(cmd, cwd=ROOT, stdout=logs, stderr=logs)
     ckpt = os.path.join(config.checkpoint_dir, CHECKPOINT)
@@ -135,8 +141,13 @@ def run(args) -> dict:
             if driver.poll() is not None:
                 if driver.returncode == 0:
                     break
-                raise RuntimeError(f"driver exited with {driver.returncode} (see "
-                                   f"{root}/drivers.log)")
+                if not os.path.exists(ckpt) or crashes >= args.max_driver_crashes:
+                    raise RuntimeError(f"driver exited with {driver.returncode} (see "
+                                       f"{root}/drivers.log)")
+                # a driver that failed on its own (e.g. a node removed while it created its
+                # cells): started again from the last checkpoint, counted apart from faults
+                crashes += 1
+                driver = subprocess.Popen(cmd + ["--resume"], cwd=ROOT, stdout=logs, stderr=logs)
             now = time.time()
             if plan is None and os.path.exists(ckpt):     # faults start at the first checkpoint
                 plan = collections.deque(schedule(rng, start=now, minutes=args.minutes,
@@ -191,7 +202,7 @@ def run(args) -> dict:
             "versions_consistent": a.versions_consistent, "violations": list(a.violations)[:5],
             "faults_injected": {k: injected.get(k, 0) for k in kinds},
             "faults_total": sum(injected.values()), "recoveries": dict(recoveries),
-            "driver_restarts": restarts, **trend(per_step),
+            "driver_restarts": restarts, "driver_crashes": crashes, **trend(per_step),
             "rewards": [round(r, 4) for r in per_step],
             "config": {k: v for k, v in vars(args).items() if k != "json"},
             "total_steps": steps, "runs_per_step": args.groups * args.runs_per_group}
@@ -231,10 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=4, help="groups per step")
     p.add_argument("--runs-per-group", type=int, default=4)
     p.add_argument("--checkpoint-every", type=int, default=2, help="steps between checkpoints")
-    p.add_argument("--step-s", type=float, default=8.0,
+    p.add_argument("--step-s", type=float, default=3.0,
                    help="expected seconds per step (sets the job's length to ~M minutes)")
     p.add_argument("--node-down-s", type=float, default=5.0)
+    p.add_argument("--max-driver-crashes", type=int, default=3,
+                   help="drivers that fail on their own restarted from the checkpoint at most")
     p.add_argument("--workdir", default=None, help="warm-started policy cache")
+    p.add_argument("--policy-seed", type=int, default=1,
+                   help="seed of the warm-started policy (--seed: the faults and the tasks)")
     args = p.parse_args(argv)
     if args.smoke:
         args.minutes = 3.0
