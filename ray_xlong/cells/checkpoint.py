@@ -101,22 +101,27 @@ def records(job: JobState) -> dict:
     }
 
 
-def _lead(job: JobState) -> int:
-    """A cell whose Learner holds the current state (the last step's lead first)."""
+def _lead(job: JobState) -> int | None:
+    """A cell whose Learner holds the current state (the last step's lead first; None: no
+    holder is left)."""
     g = job.learners
     holders = [c for c, v in enumerate(g.learner_version)
                if v == g.version and c not in job.retired]
     if g.lead in holders:
         return g.lead
-    if not holders:
-        raise RuntimeError("checkpoint.save: no Learner holds the current state")
-    return holders[0]
+    return holders[0] if holders else None
 
 
-def save(job: JobState, *, final: bool = False) -> pathlib.Path:
+def save(job: JobState, *, final: bool = False) -> pathlib.Path | None:
     """Start a checkpoint of the current version (module docstring); ``final``: wait until it
-    is on disk (the job's end). Returns the Learner checkpoint dir it goes to."""
+    is on disk (the job's end). Returns the Learner checkpoint dir it goes to (None: no Learner
+    holds the state right now; logged, the next save tries again)."""
     root = pathlib.Path(job.cfg.checkpoint_dir)
+    lead = _lead(job)
+    if lead is None:
+        log.error("checkpoint.save: no Learner holds version %d now; the next save tries again",
+                  job.learners.version)
+        return None
     rec = records(job)
     buf = io.BytesIO()
     torch.save(rec, buf)
@@ -124,7 +129,7 @@ def save(job: JobState, *, final: bool = False) -> pathlib.Path:
     files = {CHECKPOINT: buf.getvalue(),
              LATEST: json.dumps({"version": version, "learner_dir": rec["learner_dir"]}).encode()}
     path = root / rec["learner_dir"]
-    learner = job.cells[_lead(job)].learner
+    learner = job.cells[lead].learner
     job.checkpoint_ref = learner.save_checkpoint.remote(str(path), files, False)
     if final:
         try:
