@@ -12,6 +12,7 @@
                        [--mode elastic] [--engine vllm|hf] [--steps 25] [--seed 1] [--out DIR]
                        [--tracker wandb|mlflow ...]
     ray-xlong serve    --model-dir DIR [--engine hf|vllm] [--host H] [--port P]
+    ray-xlong export   CHECKPOINT OUT_DIR [--model-dir DIR] [--max-shard-mb 2048]
 
 Files: runs are JSONL (schema in ``ray_xlong/trajectory/recording.py``); event logs are JSONL
 of ``ray_xlong.scheduling.events.Event`` (schema in ``ray_xlong/scheduling/events.py``; the
@@ -206,6 +207,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_forever(args.model_dir, engine=args.engine, host=args.host, port=args.port)
 
 
+def learner_checkpoint(path: str) -> pathlib.Path:
+    """The Learner DCP checkpoint a CHECKPOINT argument names: that directory itself, an
+    ``XLongAlgorithm.save_to_path`` directory (its ``learner``), or a job's ``checkpoint_dir``
+    (or its ``driver_checkpoint.pt``: the last completed checkpoint)."""
+    from ray_xlong.cells.shard_checkpoint import exists, latest
+
+    p = pathlib.Path(path)
+    if p.is_file():
+        p = p.parent
+    if exists(p):
+        return p
+    if exists(p / "learner"):
+        return p / "learner"
+    done = latest(p)
+    if done is not None and exists(done[1]):
+        return done[1]
+    raise CliError(f"{path}: not a checkpoint (no Learner checkpoint there, no 'learner' "
+                   f"directory, no latest.json of a job's checkpoint_dir)")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A Hugging Face directory (safetensors, config, tokenizer, generation config) from a
+    checkpoint, read tensor group by tensor group (``models/export.py``)."""
+    from ray_xlong.models.export import export_checkpoint, learner_meta
+
+    src = learner_checkpoint(args.checkpoint)
+    model_dir = args.model_dir or learner_meta(src).get("model_dir")
+    if not model_dir or not (pathlib.Path(model_dir) / "config.json").is_file():
+        raise CliError(f"the model directory {model_dir!r} the checkpoint names has no "
+                       f"config.json here; pass --model-dir (the policy directory it was "
+                       f"trained from: config and tokenizer)")
+    t = time.perf_counter()
+    out = export_checkpoint(src, args.out_dir, model_dir=model_dir,
+                            max_shard_bytes=int(args.max_shard_mb * 1024 ** 2))
+    version = learner_meta(src).get("version")
+    print(f"wrote {out} (version {version}) from {src} in {time.perf_counter() - t:.1f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ray-xlong", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -317,6 +357,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="0: any free port")
     p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("export", help="a checkpoint → a Hugging Face model directory",
+                       description=cmd_export.__doc__)
+    p.add_argument("checkpoint", help="a save_to_path directory, a job's checkpoint_dir, or a "
+                   "Learner checkpoint directory")
+    p.add_argument("out_dir", type=output_dir, help="the Hugging Face directory to write")
+    p.add_argument("--model-dir", type=existing_dir, default=None,
+                   help="config + tokenizer source (default: the one the checkpoint names)")
+    p.add_argument("--max-shard-mb", type=int_at_least(1), default=2048,
+                   help="safetensors file size cap (bigger models: several files + index)")
+    p.set_defaults(fn=cmd_export)
     return parser
 
 

@@ -15,7 +15,9 @@ audit(result, job)  from the event log and the trained-run ids: runs lost, runs 
 Kills are real (``ray.kill(actor, no_restart=True)``, a raylet removed); only *when* and *whom*
 is chosen here. ``python -m benchmarks.tools.faults`` is a driver process for the driver-restart
 fault: it runs (or resumes) one job from a pickled :class:`~ray_xlong.cells.config.CellJobConfig`
-on a running cluster and writes its result; the parent kills it and starts another.
+on a running cluster and writes its result; the parent kills it and starts another. With
+``--chaos`` it also fires the runner / learner faults of a chaos schedule that fall due
+(:class:`ChaosInjector`, ``benchmarks/chaos.py``) and logs every delivered run's reward.
 """
 
 from __future__ import annotations
@@ -217,10 +219,85 @@ def audit(result: RayResult, job: SchedulingConfig) -> Audit:
         violations=tuple(check_invariants(result, staleness_bound=job.staleness_bound)))
 
 
+# -- chaos: faults on a clock, across driver restarts ---------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChaosFault:
+    """One fault of a chaos schedule (``benchmarks/chaos.py``)."""
+
+    at: float
+    """Unix time it is due."""
+    kind: str
+    """One of :data:`KINDS`."""
+    index: int
+    """Its position in the schedule (a restarted driver skips those fired already)."""
+
+
+class ChaosInjector:
+    """Fires the ``runner`` / ``learner`` faults of a chaos schedule that are due (the parent
+    process fires ``node`` and ``driver``), each once across driver restarts: fired ones are
+    appended to the settings' ``fired`` file. The settings (a pickled ``{"schedule", "seed",
+    "fired", "rewards"}``) are read again whenever the file changes (the parent writes the
+    schedule once the job's first checkpoint exists). Also an actuator observer: the reward of
+    every delivered run goes to the ``rewards`` file as it arrives."""
+
+    def __init__(self, settings_path: str, *, rewards_path: str) -> None:
+        import os
+
+        self.path, self.rewards_path = settings_path, rewards_path
+        self.mtime = None
+        self.todo: collections.deque = collections.deque()
+        self.fired_path = None
+        self.inner = FaultInjector(FaultPlan(seed=os.getpid()), SchedulingConfig(1, 1, 1, 0))
+
+    def _load(self) -> None:
+        import os
+
+        try:
+            mtime = os.path.getmtime(self.path)
+        except OSError:
+            return
+        if mtime == self.mtime:
+            return
+        self.mtime = mtime
+        with open(self.path, "rb") as f:
+            c = pickle.load(f)
+        self.fired_path = c["fired"]
+        done = set()
+        if os.path.exists(self.fired_path):
+            with open(self.fired_path) as f:
+                done = {int(line.split()[0]) for line in f if line.strip()}
+        self.inner.rng = random.Random(c["seed"] * 1000 + len(done))
+        self.todo = collections.deque(f for f in c["schedule"]
+                                      if f.kind in ("runner", "learner") and f.index not in done)
+
+    def tick(self, act: Any) -> None:
+        self._load()
+        while self.todo and self.todo[0].at <= time.time():
+            fault = self.todo[0]
+            if not self.inner._fire(fault.kind, act):
+                return                        # no victim that would notice yet
+            self.todo.popleft()
+            with open(self.fired_path, "a") as f:
+                f.write(f"{fault.index} {fault.kind} {time.time():.3f}\n")
+
+    # StepObserver
+    def delivered(self, digest: Any) -> None:
+        with open(self.rewards_path, "a") as f:
+            f.write(f"{digest.run_id} {float(digest.reward)!r}\n")
+
+    def taken(self, step: int, micro: Any, stats: Any) -> None:
+        pass
+
+    def staleness(self, step: int, stale: int) -> None:
+        pass
+
+
 # -- the driver process of the driver-restart fault ----------------------------------------------
-def drive(config_path: str, address: str, out: str, *, resume: bool) -> None:
+def drive(config_path: str, address: str, out: str, *, resume: bool,
+          chaos: str | None = None) -> None:
     """Connect to ``address``, create the cells of the pickled config, run (or resume from its
-    checkpoint) the job, and pickle ``{"result", "resumed_at"}`` to ``out``."""
+    checkpoint) the job, and pickle ``{"result", "resumed_at"}`` to ``out``. ``chaos``: a
+    pickled ``{"schedule", "seed", "fired", "rewards"}`` (a :class:`ChaosInjector`)."""
     import os
 
     from ray_xlong.cells.actuator import RayActuator
@@ -232,7 +309,11 @@ def drive(config_path: str, address: str, out: str, *, resume: bool) -> None:
         config = pickle.load(f)
     ray.init(address=address, include_dashboard=False, log_to_driver=False)
     pool = start_cells(config)
-    act = RayActuator(config, make_policy(config), pool)
+    injector = None
+    if chaos is not None:
+        injector = ChaosInjector(chaos, rewards_path=chaos + ".rewards")
+    act = RayActuator(config, make_policy(config), pool, observer=injector)
+    act.injector = injector
     path = os.path.join(config.checkpoint_dir, CHECKPOINT)
     result = act.run(resume_from=path if resume else None)
     tmp = out + ".tmp"
@@ -249,8 +330,9 @@ def main(argv: list[str] | None = None) -> None:  # pragma: no cover - run as a 
     p.add_argument("--address", required=True, help="Ray cluster address")
     p.add_argument("--out", required=True, help="where to pickle the result")
     p.add_argument("--resume", action="store_true", help="resume from the job's checkpoint")
+    p.add_argument("--chaos", default=None, help="pickled chaos settings (benchmarks/chaos.py)")
     args = p.parse_args(argv)
-    drive(args.config, args.address, args.out, resume=args.resume)
+    drive(args.config, args.address, args.out, resume=args.resume, chaos=args.chaos)
 
 
 if __name__ == "__main__":  # pragma: no cover

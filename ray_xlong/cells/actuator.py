@@ -172,6 +172,8 @@ class RayActuator:
                 ``CellJobConfig.checkpoint_dir``) of an earlier driver of this job.
         """
         s = self.state
+        if s.cfg.checkpoint_dir:
+            checkpoint.check_dir(s.cfg.checkpoint_dir)  # before any step, naming the path
         if resume_from is not None:
             checkpoint.resume(s, resume_from, recovery=self.recovery, actions=self)
         else:
@@ -437,7 +439,7 @@ class RayActuator:
             self.recovery.recover(cell, "lost at the end of a step")  # rebuilt on new weights
         every = s.cfg.checkpoint_every
         if s.cfg.checkpoint_dir and (s.m.version % every == 0 or s.m.done):
-            checkpoint.save(s)
+            checkpoint.save(s, final=s.m.done)
 
     def _push_weights(self) -> list[int]:
         """New weights to every engine not training (``CellJobConfig.weight_sync``); returns

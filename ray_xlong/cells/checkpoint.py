@@ -1,19 +1,33 @@
-"""Driver checkpoints of a job on cells: a new driver continues where a lost one stopped.
+"""Checkpoints of a job on cells: the Learner state as sharded DCP checkpoints that the Learners
+write themselves, the driver's records beside them — a new driver, or a job that lost every
+holder of its state, continues from there.
 
 ```
-save(state)         at step boundaries (CellJobConfig.checkpoint_every): learner state (weights,
-                    Adam, version), the cell machine (ledger, event log), the policy, the digests
-                    of ended-but-untrained runs (their tokens stay in the spool), trained-run
-                    ids, stats and fault records → <checkpoint_dir>/driver_checkpoint.pt
-                    (written, then renamed); spool entries of trained runs are dropped
-resume(state, p, …) in a new driver on fresh cells: every cell on the saved state; the ended,
-                    untrained runs processed again from the spool; runs live at the checkpoint
-                    that ended since come from the spool, the others start again
+<checkpoint_dir>/
+  learner-v000004/          DCP of the lead Learner at version 4 (every rank its shards;
+                            ``shard_checkpoint.py``), written in the background
+  driver_checkpoint.pt      the driver's records of that version (written by the Learner's
+                            rank 0 once every shard is on disk, then renamed)
+  latest.json               {"version": 4, "learner_dir": "learner-v000004"}, renamed last
+
+save(job)           at step boundaries (CellJobConfig.checkpoint_every) and at the last step:
+                    the lead Learner (a member that applied the step) starts its async save and
+                    gets the records (small: the cell machine, policy, digests of ended untrained
+                    runs, trained-run ids, stats, fault records; no tensors) to write once done;
+                    the driver does not wait. A checkpoint that completed since the last save
+                    lets the spool drop the runs it covers; older Learner dirs go
+resume(job, p, …)   a new driver on fresh cells: every Learner loads the checkpoint from the
+                    shared path; the ended, untrained runs processed again from the spool; runs
+                    live at the checkpoint that ended since come from the spool, the others
+                    start again
+latest(root)        (version, learner dir) of the last completed checkpoint (None: none yet)
 ```
 
-Both take the job's state (``job_state.JobState``), not the actuator; ``resume`` also the
-recovery (it takes over the runs each fresh cell owes) and the actuator's actions; Ray is
-reached only through ``JobState.ray``.
+``save`` / ``resume`` take the job's state (``job_state.JobState``), not the actuator;
+``resume`` also the recovery (it takes over the runs each fresh cell owes) and the actuator's
+actions; Ray is reached only through ``JobState.ray``. A failed save (a full disk, a Learner
+lost while writing) is logged; the next save tries again and, meanwhile, the spool keeps every
+run trained since the last completed one (``recovery.Recovery.reload_checkpoint`` replays them).
 
 A checkpoint needs the spool (``CellJobConfig`` refuses ``checkpoint_dir`` without
 ``spool_dir``): it holds the tokens of every run the checkpoint still owes.
@@ -22,8 +36,12 @@ A checkpoint needs the spool (``CellJobConfig`` refuses ``checkpoint_dir`` witho
 from __future__ import annotations
 
 import collections
+import io
+import json
+import logging
 import os
 import pathlib
+import shutil
 import time
 
 import torch
@@ -33,47 +51,134 @@ from ray_xlong.cells.learner_group import ElasticLearnerGroup
 from ray_xlong.cells.protocols import JobActions
 from ray_xlong.cells.records import EndedRun, FaultRecord
 from ray_xlong.cells.recovery import Recovery
+from ray_xlong.cells.shard_checkpoint import LATEST, latest  # noqa: F401 (re-exported)
 from ray_xlong.scheduling import Role
 
+log = logging.getLogger(__name__)
 CHECKPOINT = "driver_checkpoint.pt"
-"""File name of the driver checkpoint inside ``CellJobConfig.checkpoint_dir``."""
-FORMAT = 2
-"""2: ended runs as digests (tokens in the spool); 1 wrote them into the checkpoint."""
+"""File name of the driver's records inside ``CellJobConfig.checkpoint_dir``."""
+FORMAT = 3
+"""3: the Learner state as a DCP checkpoint the Learners write (``learner_dir``); 2 held the
+whole state in the driver's file."""
+MIN_FREE_BYTES = 64 * 1024 ** 2
+"""A ``checkpoint_dir`` with less free space is refused before the first step."""
 
 
-def save(job: JobState) -> pathlib.Path:
-    """Write the driver checkpoint atomically; returns its path."""
-    root = pathlib.Path(job.cfg.checkpoint_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    state = {
+def learner_dir_name(version: int) -> str:
+    return f"learner-v{version:06d}"
+
+
+def check_dir(path: str | os.PathLike) -> pathlib.Path:
+    """``path`` exists (made), is writable and has room; raises naming it otherwise (called
+    before the first step)."""
+    root = pathlib.Path(path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe.{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"CellJobConfig.checkpoint_dir {str(root)!r} is not writable: "
+                         f"{exc}") from exc
+    free = shutil.disk_usage(root).free
+    if free < MIN_FREE_BYTES:
+        raise ValueError(f"CellJobConfig.checkpoint_dir {str(root)!r} is full ({free} bytes "
+                         f"free, {MIN_FREE_BYTES} needed at least)")
+    return root
+
+
+def records(job: JobState) -> dict:
+    """The driver's records of the current version (no tensors)."""
+    version = job.learners.version
+    return {
         "format": FORMAT, "mode": job.policy.name, "job": job.cfg.job,
         "time": job.now(), "machine": job.m, "policy": job.policy,
         "ended": {g: [e.digest for e in runs] for g, runs in job.ended.items() if runs},
-        "trained": job.trained, "learner": job.ray.get(job.learners.state_ref),
+        "trained": job.trained, "version": version, "version_offset": job.version_offset,
+        "learner_dir": learner_dir_name(version),
         "token_staleness": job.token_staleness,
         "stats": dict(job.stats), "faults": job.faults,
     }
-    path, tmp = root / CHECKPOINT, root / f".{CHECKPOINT}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    if job.spool is not None:
-        job.spool.discard(job.spooled_trained)
-    job.spooled_trained.clear()
+
+
+def _lead(job: JobState) -> int | None:
+    """A cell whose Learner holds the current state (the last step's lead first; None: no
+    holder is left)."""
+    g = job.learners
+    holders = [c for c, v in enumerate(g.learner_version)
+               if v == g.version and c not in job.retired]
+    if g.lead in holders:
+        return g.lead
+    return holders[0] if holders else None
+
+
+def save(job: JobState, *, final: bool = False) -> pathlib.Path | None:
+    """Start a checkpoint of the current version (module docstring); ``final``: wait until it
+    is on disk (the job's end). Returns the Learner checkpoint dir it goes to (None: no Learner
+    holds the state right now; logged, the next save tries again)."""
+    root = pathlib.Path(job.cfg.checkpoint_dir)
+    lead = _lead(job)
+    if lead is None:
+        log.error("checkpoint.save: no Learner holds version %d now; the next save tries again",
+                  job.learners.version)
+        return None
+    rec = records(job)
+    buf = io.BytesIO()
+    torch.save(rec, buf)
+    version = rec["version"]
+    files = {CHECKPOINT: buf.getvalue(),
+             LATEST: json.dumps({"version": version, "learner_dir": rec["learner_dir"]}).encode()}
+    path = root / rec["learner_dir"]
+    learner = job.cells[lead].learner
+    job.checkpoint_ref = learner.save_checkpoint.remote(str(path), files, False)
+    if final:
+        try:
+            job.ray.get([job.checkpoint_ref, learner.wait_checkpoint.remote()])
+        except job.ray.Error as exc:
+            if not job.ray.lost(exc):
+                raise
+            log.error("checkpoint.save: the Learner writing %s was lost (%s)", path, exc)
+    collect(job)
     return path
+
+
+def collect(job: JobState) -> int | None:
+    """A checkpoint completed since the last look: the spool drops the runs trained before it,
+    older Learner dirs go. Returns its version (None: none yet)."""
+    done = latest(job.cfg.checkpoint_dir)
+    if done is None:
+        return None
+    version, keep = done
+    covered = {r for step, ids in job.trained.items()
+               if step + job.version_offset < version for r in ids}
+    drop = job.spooled_trained & covered
+    if job.spool is not None and drop:
+        job.spool.discard(drop)
+    job.spooled_trained -= drop
+    for old in pathlib.Path(job.cfg.checkpoint_dir).glob("learner-v*"):
+        if old.name < keep.name:
+            shutil.rmtree(old, ignore_errors=True)
+    return version
 
 
 def resume(job: JobState, path: str | os.PathLike, *, recovery: Recovery,
            actions: JobActions) -> None:
-    """Load a driver checkpoint into ``job`` (a new driver's state) and its fresh cells.
+    """Load a checkpoint into ``job`` (a new driver's state) and its fresh cells.
 
     Args:
         job: the new driver's job state (its cells fresh, nothing started).
-        path: the checkpoint (:data:`CHECKPOINT`).
+        path: the driver's records (:data:`CHECKPOINT`); the Learner checkpoint beside it.
         recovery: takes over the runs each cell still owes (``Recovery.take_over_runs``).
         actions: the actuator's actions (``rcall``: drain the cells that were draining).
+
+    Raises:
+        ValueError: a checkpoint of another job, or of another (newer) format (naming both).
     """
     state = torch.load(path, weights_only=False)
-    if state.get("format") != FORMAT or state["job"] != job.cfg.job:
+    if state.get("format") != FORMAT:
+        raise ValueError(f"RayActuator.resume_from: {path} is a checkpoint of format "
+                         f"{state.get('format')}; this version reads format {FORMAT}")
+    if state["job"] != job.cfg.job:
         raise ValueError(f"RayActuator.resume_from: {path} is not a checkpoint of this job "
                          f"({state.get('job')} vs {job.cfg.job})")
     job.m, job.policy = state["machine"], state["policy"]
@@ -81,11 +186,14 @@ def resume(job: JobState, path: str | os.PathLike, *, recovery: Recovery,
     job.token_staleness = state["token_staleness"]
     job.stats = collections.defaultdict(list, state["stats"])
     job.faults[:] = list(state["faults"])
-    learner_state = state["learner"]
+    learner_dir = str(pathlib.Path(path).parent / state["learner_dir"])
     job.ray.get([call for cell in job.cells for call in (
-        cell.learner.set_xlong_state.remote(learner_state), cell.learner.sleep.remote())])
-    job.learners = ElasticLearnerGroup([c.learner for c in job.cells], state=learner_state,
-                                       durable=True, ray=job.ray)
+        cell.learner.load_checkpoint.remote(learner_dir), cell.learner.sleep.remote())])
+    job.learners = ElasticLearnerGroup([c.learner for c in job.cells], durable=True,
+                                       ray=job.ray)
+    if job.learners.version != state["version"]:
+        raise ValueError(f"RayActuator.resume_from: {learner_dir} holds version "
+                         f"{job.learners.version}, the records version {state['version']}")
     job.ray.get([c.runner.resume.remote(job.learners.weights_ref, job.learners.version)
                  for c in job.cells])
     _ended_from_spool(job, state["ended"])

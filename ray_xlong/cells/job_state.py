@@ -98,6 +98,8 @@ class JobState:
     """One record per recovery (``RayResult.faults``)."""
     retired: set[int] = dataclasses.field(default_factory=set)
     """Cells whose node was lost, not yet rebuilt."""
+    checkpoint_ref: Any = None
+    """Ref of the last checkpoint save started (``checkpoint.save``)."""
     resumed_at: float | None = None
     """Unix time a resume from a checkpoint finished (None: not resumed)."""
     t0: float = dataclasses.field(default_factory=time.monotonic)

@@ -109,6 +109,20 @@ class Learner(Protocol):
     def take_step_stats(self, version: int) -> Any:
         """What this Learner did for the step that trained ``version`` (None: nothing)."""
 
+    def save_checkpoint(self, path: str, files: Mapping[str, bytes] | None = None,
+                        block: bool = False) -> str:
+        """Start a DCP checkpoint of the state this Learner holds (each rank its shards) at
+        ``path``; ``files`` (the driver's records) land in its parent once it is on disk."""
+
+    def wait_checkpoint(self) -> str | None:
+        """Block until the checkpoint in flight is on disk; its path (None: none)."""
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load a :meth:`save_checkpoint` checkpoint; returns its version."""
+
+    def export_hf(self, out: str) -> str:
+        """Write the weights as a Hugging Face directory (``models/export.py``)."""
+
 
 class EngineHosting(Protocol):
     """A runner's engines behind the one-engine protocol, each run pinned to one engine."""

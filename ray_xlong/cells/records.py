@@ -49,8 +49,10 @@ class FaultRecord:
 
     kind: str
     """``runner`` / ``learner`` / ``both`` (an actor rebuilt in place, or both), ``node`` (the
-    cell retired with its node), ``node_returned`` (a retired cell rebuilt) or ``driver`` (a new
-    driver resumed from a checkpoint)."""
+    cell retired with its node), ``node_returned`` (a retired cell rebuilt), ``driver`` (a new
+    driver resumed from a checkpoint) or ``state`` (every holder of the state lost: the last
+    checkpoint reloaded and the steps since replayed from the spool; ``runs_from_spool`` = runs
+    replayed)."""
     cell: int
     """The cell (-1: ``driver``)."""
     why: str

@@ -13,6 +13,13 @@ a pending ref failed because an actor died ─► recover(cell)
   node lost      the placement group lost its node: the cell is retired (its live runs restart
                  on other cells; payloads of its ended, untrained runs are rebuilt from the
                  spool by another runner) and rebuilt once Ray re-places the group
+  state lost     every holder of the current state is gone (the last step's members: each
+                 applied the same update; the driver holds no copy unless the group is
+                 ``durable``): a live Learner loads the last completed checkpoint
+                 (``checkpoint.py``) and replays the steps since from the spool — the step
+                 records name the runs each step trained, in order, and their advantages come
+                 from the same digests — so the state is the one lost (to float tolerance:
+                 only the order of additions differs), nothing lost, nothing trained twice
 ```
 
 An actor error that is not a death, or a death with no recovery (the last cell, or runs whose
@@ -25,10 +32,11 @@ import time
 from typing import Any
 
 from ray_xlong.cells.job_state import INF, JobState
-from ray_xlong.cells.learner_group import MicroBatch
+from ray_xlong.cells.learner_group import MicroBatch, plan_step
 from ray_xlong.cells.protocols import JobActions
 from ray_xlong.cells.records import CellActorDied, EndedRun, FaultRecord, Pending
 from ray_xlong.cells.runs import run_key
+from ray_xlong.cells.shard_checkpoint import latest
 from ray_xlong.scheduling import Event, Role
 
 RUNNER_KINDS = ("ended", "started", "sync", "switch")  # pending kinds a runner death voids
@@ -178,6 +186,9 @@ class Recovery:
         micro-batches the lost one had trained this step (to requeue)."""
         s = self.state
         learner = s.pool.replace(cell, "learner", timeout_s=timeout_s)
+        if self.state_lost():
+            self.reload_checkpoint(f"cell {cell}'s new learner found no holder of the state",
+                                   cell=cell)
         s.ray.get([learner.set_xlong_state.remote(s.learners.state_ref),
                    learner.sleep.remote()])
         redo = s.learners.replace(cell, learner)
@@ -274,3 +285,84 @@ class Recovery:
             s.m.rebuild_cell(cell, s.now())
             self.actions.watch_runs(cell)
             self._record("node_returned", cell, start, t0)
+
+    # -- every holder of the state lost ------------------------------------------------------
+    def holders(self) -> list[int]:
+        """Cells whose live Learner holds the current state (applied the last step, or loaded
+        it since)."""
+        s = self.state
+        g = s.learners
+        return [c for c, v in enumerate(g.learner_version)
+                if v == g.version and c not in s.retired and s.ray.alive(g.learners[c])]
+
+    def state_lost(self) -> bool:
+        """No copy of the current state is left: the group keeps none in the driver's object
+        store (not ``durable``) and no holder is alive."""
+        g = self.state.learners
+        return g is not None and not getattr(g, "durable", False) and not self.holders()
+
+    def reload_checkpoint(self, why: str, *, cell: int | None = None,
+                          target: int | None = None) -> int:
+        """Rebuild the current state (module docstring, "state lost"): ``cell``'s Learner (or
+        the first live cell's) loads the last completed checkpoint and replays every step since
+        up to version ``target`` (default: the group's) from the spool; it becomes the state's
+        holder. Returns the steps replayed.
+
+        Raises:
+            CellActorDied: no checkpoint, no spool, or a replayed step's runs are gone.
+        """
+        s = self.state
+        t0, now = time.perf_counter(), s.now()
+        g = s.learners
+        target = g.version if target is None else target
+        if s.checkpoint_ref is not None:   # a save in flight: let it finish (or fail) first
+            s.ray.wait([s.checkpoint_ref], num_returns=1, timeout=0)
+        done = latest(s.cfg.checkpoint_dir)
+        if done is None or s.spool is None:
+            raise CellActorDied(f"{why}: every holder of the state (version {target}) is lost "
+                                f"and there is no checkpoint to reload (checkpoint_dir "
+                                f"{s.cfg.checkpoint_dir!r}, spool_dir {s.cfg.spool_dir!r})")
+        version, path = done
+        if cell is None:
+            cell = next((c for c in range(len(s.cells)) if c not in s.retired
+                         and c not in g.members and s.ray.alive(s.cells[c].learner)), None)
+            if cell is None:
+                raise CellActorDied(f"{why}: the state is lost and no live Learner can reload "
+                                    f"it")
+        learner, runner = s.cells[cell].learner, self._spool_reader(cell)
+        s.ray.get(learner.load_checkpoint.remote(str(path)))
+        s.ray.get(learner.wake_up.remote(None))
+        replayed = runs = 0
+        for v in range(version, target):
+            ids = list(s.trained.get(v - s.version_offset, []))
+            missing = sorted(set(ids) - s.spool.run_ids())
+            if not ids or missing:
+                raise CellActorDied(f"{why}: replaying step {v} from the spool: runs "
+                                    f"{missing[:5] or '(none recorded)'} are not there")
+            digests_ref, payload = runner.process_spooled.remote(ids)
+            by_id = {d.run_id: d for d in s.ray.get(digests_ref)}
+            micro, _ = plan_step([by_id[r] for r in ids], processor=s.cfg.processor,
+                                 max_tokens=s.cfg.learner.micro_batch_tokens)
+            s.ray.get([learner.accumulate_runs.remote(mb.run_ids, mb.advantages, v, payload)
+                       for mb in micro])
+            grads = learner.take_gradients.remote()
+            s.ray.get(learner.apply_step.remote([grads], sum(mb.weight for mb in micro), v + 1))
+            replayed, runs = replayed + 1, runs + len(ids)
+        if cell not in s.awake:
+            s.ray.get(learner.sleep.remote())
+        g.learners[cell] = learner
+        g.learner_version[cell] = target
+        g.state_ref = learner.get_xlong_state.remote()
+        g.weights_ref = learner.get_weights.remote()
+        g.lead = cell
+        self._record("state", cell, now, t0, why=f"{why}: reloaded version {version}, replayed "
+                     f"{replayed} steps", from_spool=runs)
+        return replayed
+
+    def _spool_reader(self, cell: int) -> Any:
+        """A live runner to process spooled runs (``cell``'s, else another cell's)."""
+        s = self.state
+        for c in [cell] + [c for c in range(len(s.cells)) if c != cell]:
+            if c not in s.retired and s.ray.alive(s.cells[c].runner):
+                return s.cells[c].runner
+        raise CellActorDied("no live runner to read the spool")

@@ -228,6 +228,59 @@ class LearnerRank:
         self.version = int(state["version"])
         return self.version
 
+    # -- durable state: each rank its shards (cells/shard_checkpoint.py) ---------------------
+    def _checkpointer(self) -> Any:
+        from ray_xlong.cells.shard_checkpoint import ShardCheckpointer
+
+        if getattr(self, "_ckpt", None) is None:
+            import torch.distributed as dist
+
+            # its own gloo group: the async save's collectives run beside the training ones
+            self._ckpt = ShardCheckpointer(rank=self.rank,
+                                           group=lambda: dist.new_group(backend="gloo"))
+        return self._ckpt
+
+    def save_checkpoint(self, path: str, files: Mapping[str, bytes] | None = None,
+                        block: bool = False) -> str:
+        """A DCP checkpoint of this rank's shards (weights, Adam) at ``path`` (every rank
+        calls it; written in the background unless ``block``); rank 0 writes ``files`` into
+        ``path``'s parent once every shard is on disk. Returns ``path``."""
+        return self._checkpointer().save(
+            path, self.lm, self.opt, version=self.version,
+            meta={"model_dir": str(self.settings.model_dir), "dtype": self.settings.dtype,
+                  "ranks": self.world_size},
+            files=files, block=block)
+
+    def wait_checkpoint(self) -> str | None:
+        """Block until this rank's checkpoint in flight is written; its path (None: none)."""
+        return self._checkpointer().wait()
+
+    def load_checkpoint(self, path: str) -> int:
+        """Every rank loads its shards of a checkpoint (any rank count wrote it: DCP reshards).
+        Returns its version."""
+        def fresh() -> None:
+            self.opt = torch.optim.Adam(self.lm.parameters(), lr=self.settings.lr)
+
+        self.version = self._checkpointer().load(path, self.lm, self.opt, reset_optimizer=fresh)
+        return self.version
+
+    def export_hf(self, out: str) -> str:
+        """Rank 0 writes a Hugging Face directory (``models/export.py``); each tensor is
+        gathered from the ranks' shards on its turn and written with its file, so no rank
+        holds the whole model. Collective. Returns ``out``."""
+        from ray_xlong.models.export import write_hf_dir
+
+        def full() -> Any:
+            for name, t in self.lm.state_dict().items():
+                yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).to("cpu")
+
+        if self.rank == 0:
+            write_hf_dir(out, full(), model_dir=self.settings.model_dir)
+        else:
+            for _ in full():
+                pass
+        return str(out)
+
     def wake_up(self, state: Mapping[str, Any] | None = None, after: Any = None) -> int:
         """Awake: the training state back on the device, then ``state`` loaded if its
         version differs. Returns the version."""
@@ -434,6 +487,10 @@ class ShardedCell:
     sleep = _EveryRank()
     take_step_stats = _EveryRank()
     xlong_metrics = _EveryRank()
+    save_checkpoint = _EveryRank()
+    wait_checkpoint = _EveryRank()
+    load_checkpoint = _EveryRank()
+    export_hf = _EveryRank()
     __ray_ready__ = _EveryRank()
 
     def __init__(self, ranks: Sequence[Any]) -> None:

@@ -3,9 +3,12 @@ actor or driver that held it (docs/design.md, invariant 9).
 
 ```
 runner: run ends ─► spool.put(cell, result)   one file per run, written then renamed (atomic)
-driver: result delivered (wait_ended) ─► kept until a checkpoint holds it ─► spool.discard(ids)
+driver: result delivered (wait_ended) ─► kept until a completed checkpoint covers the step
+        that trained it (checkpoint.collect) ─► spool.discard(ids)
 runner dies ─► driver reads spool.get() for the cell's runs still live ─► delivered from disk
 driver dies ─► new driver reads every spooled run the checkpoint still owes
+state lost ─► the runs of every step since the last checkpoint, read back in the order the
+        step records name them, are trained again (recovery.Recovery.reload_checkpoint)
 ```
 
 A run ends into the spool *before* it is handed to the driver, so an actor that dies between the

@@ -6,10 +6,16 @@ setup(config)           cells up once (placement groups; runner + Learner per ce
 training_step()         first call: SteppingActuator.start() (weights of the start version)
                         every call: actuator.advance() → StepReport → self.metrics (RLlib keys)
 train()                 RLlib's: training_step, compile metrics, on_train_result callbacks
-save_to_path(p)         state = Learner state of the current version (weights + Adam moments)
-                                + training_iteration; the config (pickled, by RLlib)
+save_to_path(p)         a Learner holding the current version writes its own DCP checkpoint
+                        to p/learner (weights + Adam moments, each rank its shards:
+                        ``cells/shard_checkpoint.py``, the format of the job checkpoints);
+                        the driver pickles only p/learner's name, the version, the data
+                        position and training_iteration; the config (pickled, by RLlib)
 restore_from_path(p)    into an algorithm that has not trained yet: the first training_step
-                        starts every cell on that state (same version, same iteration)
+                        has every cell's Learner load p/learner (same version, same iteration)
+export_hf(p)            a Learner holding the current version writes a Hugging Face directory
+                        (safetensors, config, tokenizer + chat template, generation config;
+                        ``models/export.py``); no tensor passes through the driver
 from_checkpoint(p)      a new algorithm from the saved config (or config=), then restored
 stop()                  actors and placement groups go
 ```
@@ -70,6 +76,8 @@ STEP_METRICS = ("policy_version", "tokens_trained", "unique_tokens", "total_toke
 """``result["xlong"][name]`` of every step (:class:`StepReport` fields; ``policy_version`` is
 ``StepReport.version``), besides ``cells_<role>`` per role."""
 TRAINING_ITERATION = "training_iteration"
+LEARNER_DIR = "learner"
+"""The Learner's DCP checkpoint inside a ``save_to_path`` directory."""
 
 
 class XLongAlgorithm(Algorithm):
@@ -126,6 +134,9 @@ class XLongAlgorithm(Algorithm):
         self._start_state: dict[str, Any] | None = None
         self._data_position: int | None = None     # restored: the next group index
         self.reports: list[StepReport] = []
+        self._start_dir: str | None = None         # restored: the Learner checkpoint
+        self._restore_path: str | None = None
+        self._start_loaded = False
         make_callback("on_algorithm_init", self.callbacks,
                       self.config.callbacks_on_algorithm_init,
                       kwargs=dict(algorithm=self, metrics_logger=self.metrics))
@@ -149,7 +160,11 @@ class XLongAlgorithm(Algorithm):
                   else version * self.config.groups_per_step)
         self._group_offset, self._start_version = offset, version
         job = self.config.job_config(group_offset=offset)
-        if self._start_state is None:
+        if self._start_dir is not None:
+            ray.get([c.learner.load_checkpoint.remote(self._start_dir) for c in self.pool.cells])
+            lead = self.pool.cells[0].learner
+            state_ref, weights_ref = lead.get_xlong_state.remote(), lead.get_weights.remote()
+        elif self._start_state is None:
             state_ref, weights_ref = self.pool.initial_state, self.pool.initial_weights
         else:
             state_ref = ray.put(self._start_state)
@@ -196,16 +211,47 @@ class XLongAlgorithm(Algorithm):
 
     # -- checkpoints -----------------------------------------------------------------------------
     def get_state(self, components=None, *, not_components=None, **kwargs) -> dict[str, Any]:
-        """Learner state of the current version + ``training_iteration``."""
-        if self.actuator is not None:
-            learner = ray.get(self.actuator.learners.state_ref)
-        elif self._start_state is not None:
-            learner = self._start_state
-        else:
-            learner = ray.get(self.pool.initial_state)
-        return {XLONG: {"learner": learner, "policy_version": self.policy_version,
+        """Where the Learner checkpoint goes (``learner_dir``, relative to the checkpoint
+        path), the version, the data position and ``training_iteration``: no tensors (the
+        Learner writes its own state, :meth:`save_to_path`)."""
+        return {XLONG: {"learner_dir": LEARNER_DIR, "policy_version": self.policy_version,
                         "data_position": self.data_position},
                 TRAINING_ITERATION: self.training_iteration}
+
+    def _holder(self) -> Any:
+        """A Learner actor holding the current version's state (loading the restored
+        checkpoint into cell 0's first when the algorithm has not trained yet)."""
+        if self.actuator is not None:
+            g = self.actuator.learners
+            holders = [c for c, v in enumerate(g.learner_version) if v == g.version]
+            cell = g.lead if g.lead in holders else holders[0]
+            return g.learners[cell]
+        lead = self.pool.cells[0].learner
+        if not self._start_loaded:
+            if self._start_dir is not None:
+                ray.get(lead.load_checkpoint.remote(self._start_dir))
+            elif self._start_state is not None:
+                ray.get(lead.set_xlong_state.remote(self._start_state))
+            self._start_loaded = True
+        return lead
+
+    def save_to_path(self, path=None, *, state=None, filesystem=None, use_msgpack=False) -> str:
+        """A Learner holding the current version writes ``path/learner`` (a DCP checkpoint,
+        blocking), then RLlib writes the small state and the config."""
+        import tempfile
+
+        root = pathlib.Path(path) if path is not None else pathlib.Path(tempfile.mkdtemp())
+        root.mkdir(parents=True, exist_ok=True)
+        ray.get(self._holder().save_checkpoint.remote(str(root / LEARNER_DIR), None, True))
+        return super().save_to_path(str(root), state=state, filesystem=filesystem,
+                                    use_msgpack=use_msgpack)
+
+    def export_hf(self, path: str | os.PathLike) -> str:
+        """Write the current policy as a Hugging Face directory at ``path`` (module
+        docstring): ``AutoModelForCausalLM.from_pretrained(path)`` and the vLLM engine load it,
+        with the Learner's weights bit for bit. Written by a Learner (rank 0 of a sharded
+        cell, gathering tensor by tensor). Returns ``path``."""
+        return ray.get(self._holder().export_hf.remote(str(pathlib.Path(path).resolve())))
 
     @property
     def data_position(self) -> int:
@@ -224,8 +270,25 @@ class XLongAlgorithm(Algorithm):
         if self.actuator is not None:
             raise RuntimeError("XLongAlgorithm.set_state: restore into an algorithm that has "
                                "not trained yet (runs are live on its cells)")
-        if XLONG in state:
+        if XLONG in state and "learner_dir" in state[XLONG]:
+            if self._restore_path is None:
+                raise ValueError("XLongAlgorithm.set_state: a state naming a Learner checkpoint "
+                                 "(learner_dir) restores through restore_from_path(path)")
+            self._start_dir = str(pathlib.Path(self._restore_path) / state[XLONG]["learner_dir"])
+            self._start_state, self._start_loaded = None, False
+            self.policy_version = int(state[XLONG]["policy_version"])
+            position = state[XLONG].get("data_position")
+            self._data_position = int(position) if position is not None else None
+            from ray_xlong.models.export import learner_meta
+
+            saved = learner_meta(self._start_dir).get("version")
+            if saved is not None and int(saved) != self.policy_version:
+                raise ValueError(f"XLongAlgorithm.set_state: the Learner checkpoint "
+                                 f"{self._start_dir} holds version {saved}, the state "
+                                 f"policy_version {self.policy_version}")
+        elif XLONG in state:
             self._start_state = state[XLONG]["learner"]
+            self._start_dir, self._start_loaded = None, False
             self.policy_version = int(state[XLONG]["policy_version"])
             position = state[XLONG].get("data_position")
             self._data_position = int(position) if position is not None else None
@@ -240,7 +303,11 @@ class XLongAlgorithm(Algorithm):
         return []
 
     def restore_from_path(self, path, *args, **kwargs) -> None:
-        Checkpointable.restore_from_path(self, path, *args, **kwargs)
+        self._restore_path = str(path)
+        try:
+            Checkpointable.restore_from_path(self, path, *args, **kwargs)
+        finally:
+            self._restore_path = None
 
     @classmethod
     def from_checkpoint(cls, path: str | pathlib.Path, filesystem=None, *,

@@ -232,6 +232,43 @@ class XLongLearner(TorchLearner):
         self.version = int(state["version"])
         return self.version
 
+    # -- durable state: sharded checkpoints, export (cells/shard_checkpoint.py) -------------------
+    def _checkpointer(self) -> Any:
+        from ray_xlong.cells.shard_checkpoint import ShardCheckpointer
+
+        if getattr(self, "_ckpt", None) is None:
+            self._ckpt = ShardCheckpointer()
+        return self._ckpt
+
+    def save_checkpoint(self, path: str, files: Mapping[str, bytes] | None = None,
+                        block: bool = False) -> str:
+        """A DCP checkpoint of this Learner's state (weights, Adam, version) at ``path``,
+        written in the background (``block``: before returning); ``files`` (name → bytes: the
+        driver's records) land in ``path``'s parent once it is on disk. Returns ``path``."""
+        return self._checkpointer().save(
+            path, self.lm, self.get_optimizer(), version=self.version,
+            meta={"model_dir": str(self.settings.model_dir), "dtype": self.settings.dtype},
+            files=files, block=block)
+
+    def wait_checkpoint(self) -> str | None:
+        """Block until the checkpoint in flight is written; its path (None: none)."""
+        return self._checkpointer().wait()
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load a :meth:`save_checkpoint` checkpoint; returns its version."""
+        opt = self.get_optimizer()
+        self.version = self._checkpointer().load(path, self.lm, opt,
+                                                 reset_optimizer=opt.state.clear)
+        return self.version
+
+    def export_hf(self, out: str) -> str:
+        """Write the current weights as a Hugging Face directory (``models/export.py``): the
+        safetensors, config and tokenizer of the model directory. Returns ``out``."""
+        from ray_xlong.models.export import write_hf_dir
+
+        write_hf_dir(out, self.lm.state_dict().items(), model_dir=self.settings.model_dir)
+        return str(out)
+
     def wake_up(self, state: Mapping[str, Any] | None = None, after: Any = None) -> int:
         """Take the cell's GPU share back; load ``state`` if it differs in version. ``after``
         is ignored: passing the engine's sleep ref makes Ray run this once the engine slept.

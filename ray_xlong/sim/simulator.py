@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ray_xlong.scheduling.events import Event
 from ray_xlong.scheduling.machine import CellMachine
-from ray_xlong.scheduling.moves import JoinStep, Reserve, StartRuns, StartTraining, Sync
+from ray_xlong.scheduling.moves import JoinStep, Reserve, StartTraining, Sync
 from ray_xlong.scheduling.policy import Policy
 from ray_xlong.scheduling.state import Role, SchedulingConfig
 from ray_xlong.sim.cluster import ClusterConfig, CostConfig

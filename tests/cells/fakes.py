@@ -13,7 +13,8 @@ FakeActor    a handle: ``actor.method.remote(*args)`` queues the call and return
 FakeRunner   protocols.Runner: runs end after ``polls`` wait_ended calls, into a real RunSpool
              first (synthetic runs, digests from the real process_run); payload = run ids
 FakeLearner  protocols.Learner: a gradient is a Counter of the run ids it trained; apply_step
-             records the summed update per version in a Ledger (trained twice = a count of 2)
+             records the summed update per version in a Ledger (trained twice = a count of 2);
+             save_checkpoint writes its state at once (torch.save) and the driver's records
 FakePool     protocols.CellHost over those actors; lose_node / restore_node per cell
 ```
 """
@@ -327,6 +328,7 @@ class FakeLearner:
         self.version, self.asleep = 0, False
         self.grad: collections.Counter[str] = collections.Counter()
         self.weights = {"w": 0.0}
+        self.checkpoints: list[str] = []
 
     def build(self) -> int:
         return self.version
@@ -394,6 +396,48 @@ class FakeLearner:
 
     def take_step_stats(self, version: int) -> None:
         return None
+
+    def save_checkpoint(self, path: str, files: Mapping[str, bytes] | None = None,
+                        block: bool = False) -> str:
+        """Write at once (the real one writes DCP shards in the background): the state, then
+        the metadata file, then ``files`` into the parent, each renamed into place."""
+        import io
+        import json
+        import os
+        import pathlib
+
+        import torch
+
+        from ray_xlong.models.export import META_FILE
+
+        def put(p: pathlib.Path, data: bytes) -> None:
+            p.with_name(f".{p.name}.tmp").write_bytes(data)
+            os.replace(p.with_name(f".{p.name}.tmp"), p)
+
+        root = pathlib.Path(path)
+        root.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        torch.save(self.get_xlong_state(), buf)
+        put(root / "state.pt", buf.getvalue())
+        put(root / META_FILE, json.dumps({"version": self.version}).encode())
+        for name, data in (files or {}).items():
+            put(root.parent / name, data)
+        self.checkpoints.append(str(root))
+        return str(root)
+
+    def wait_checkpoint(self) -> str | None:
+        return self.checkpoints[-1] if self.checkpoints else None
+
+    def load_checkpoint(self, path: str) -> int:
+        import pathlib
+
+        import torch
+
+        return self.set_xlong_state(torch.load(pathlib.Path(path) / "state.pt",
+                                               weights_only=False))
+
+    def export_hf(self, out: str) -> str:
+        raise RuntimeError("FakeLearner: no model to export")
 
 
 @dataclasses.dataclass
@@ -475,7 +519,7 @@ class FakePool:
 
 
 def fake_config(tmp_path: Any, *, mode: str = "elastic", cells: int = 3, steps: int = 3,
-                checkpoint: bool = False, **job: Any) -> Any:
+                checkpoint: bool = False, checkpoint_every: int = 1, **job: Any) -> Any:
     """A small ``CellJobConfig`` for fakes: ``steps`` steps of 2 groups × 2 runs, one run a
     micro-batch, a spool (and driver checkpoints) under ``tmp_path``."""
     from ray_xlong.cells.config import CellJobConfig, LearnerSettings
@@ -488,7 +532,8 @@ def fake_config(tmp_path: Any, *, mode: str = "elastic", cells: int = 3, steps: 
         layout=CellLayout(cells=cells, gpus_per_node=0),
         learner=LearnerSettings(model_dir="fake-model", micro_batch_tokens=1),
         slots_per_cell=2, poll_s=0.01, spool_dir=str(tmp_path / "spool"),
-        checkpoint_dir=str(tmp_path / "ckpt") if checkpoint else None)
+        checkpoint_dir=str(tmp_path / "ckpt") if checkpoint else None,
+        checkpoint_every=checkpoint_every)
 
 
 @dataclasses.dataclass

@@ -36,6 +36,10 @@ def first_driver(cfg):
     act.act()
     while act.m.version < 1:
         act.tick()
+    act.state.ray.get(act.state.checkpoint_ref)   # the Learner wrote it (fakes: lazily)
+    trained = set(act.trained[0])
+    assert trained <= job.pool.runner(0).spool.run_ids()  # kept until known on disk
+    assert checkpoint.collect(act.state) == 1             # the driver sees it completed
     saved = torch.load(pathlib_of(cfg), weights_only=False)
     owed = {run_key(r) for live in saved["machine"].live for r in live}
     run_id = next(r for c in range(len(act.cells)) for r in sorted(job.pool.runner(c).live)
@@ -55,7 +59,10 @@ def pathlib_of(cfg):
 def test_save_then_resume_into_a_fresh_job_state(tmp_path):
     cfg = fake_config(tmp_path, checkpoint=True, steps=3)
     first, saved, spooled_run = first_driver(cfg)
-    assert saved["learner"]["version"] == 1 and list(saved["trained"]) == [0]
+    assert saved["version"] == 1 and list(saved["trained"]) == [0]
+    assert "learner" not in saved and not any(torch.is_tensor(v) for v in saved.values())
+    learner_dir = pathlib_of(cfg).parent / saved["learner_dir"]
+    assert checkpoint.latest(cfg.checkpoint_dir) == (1, learner_dir)
     spool_ids = first.pool.runner(0).spool.run_ids()
     assert not spool_ids & set(saved["trained"][0])   # trained + checkpointed: dropped
 
@@ -84,4 +91,14 @@ def test_a_checkpoint_of_another_job_is_refused(tmp_path):
     other = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, total_steps=4))
     act = FakeJob.make(other).actuator()
     with pytest.raises(ValueError, match="is not a checkpoint of this job"):
+        act.run(resume_from=pathlib_of(cfg))
+
+
+def test_a_checkpoint_of_another_format_is_refused_naming_both(tmp_path):
+    cfg = fake_config(tmp_path, checkpoint=True, steps=3)
+    first_driver(cfg)
+    saved = torch.load(pathlib_of(cfg), weights_only=False)
+    torch.save({**saved, "format": 2}, pathlib_of(cfg))
+    act = FakeJob.make(cfg).actuator()
+    with pytest.raises(ValueError, match="checkpoint of format 2; this version reads format 3"):
         act.run(resume_from=pathlib_of(cfg))

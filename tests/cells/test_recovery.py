@@ -172,3 +172,53 @@ def test_learner_lost_before_the_reduce_banks_the_survivors_gradients(tmp_path):
     assert (f.kind, f.cell, f.why) == ("learner", cell, "lost during the step's reduce")
     assert held >= 1
     audit(job, result)
+
+
+def test_every_holder_of_the_state_lost_reloads_the_checkpoint_and_replays(tmp_path):
+    """The group keeps no copy of the state in the driver (not ``durable``): when every Learner
+    that holds the current version is lost, a new Learner loads the last checkpoint (version 2)
+    and replays the step since (2 → 3) from the spool — the same runs, the same update — and the
+    job ends with every run trained once."""
+    job = FakeJob.make(fake_config(tmp_path, checkpoint=True, steps=5, checkpoint_every=2))
+    act = job.actuator()
+    s = act.state
+
+    def lose_every_holder(a):
+        g = a.learners
+        if g is None or g.version != 3 or s.checkpoint_ref is None:
+            return None
+        s.ray.get(s.checkpoint_ref)            # version 2 is on disk (fakes write lazily)
+        g.durable = False                       # the seam: the state lives on its holders only
+        holders = a.recovery.holders()
+        for c in holders:
+            a.cells[c].learner.kill()
+        g.state_ref = g.learners[holders[0]].get_xlong_state.remote()   # gone with them
+        return holders, dict(job.ledger.applied[3][0])
+
+    act.injector = OnceWhen(lose_every_holder)
+    result = act.run()
+    assert act.injector.fired, "the job never reached version 3 with a checkpoint started"
+    _, update3 = act.injector.fired
+    (state,) = [f for f in result.faults if f.kind == "state"]
+    assert "reloaded version 2, replayed 1 steps" in state.why
+    assert state.runs_from_spool == len(result.trained_runs[2])
+    assert job.ledger.applied[3][-1] == update3      # the replayed update is the lost one
+    audit(job, result)
+
+
+def test_the_state_lost_without_a_checkpoint_fails_loudly(tmp_path):
+    job = FakeJob.make(fake_config(tmp_path, steps=3))
+    act = job.actuator()
+
+    def lose_every_holder(a):
+        g = a.learners
+        if g is None or g.version != 1:
+            return None
+        g.durable = False
+        for c in a.recovery.holders():
+            a.cells[c].learner.kill()
+        return True
+
+    act.injector = OnceWhen(lose_every_holder)
+    with pytest.raises(CellActorDied, match="no checkpoint to reload"):
+        act.run()

@@ -2,7 +2,8 @@
 
 ``trained_algo``: one ``XLongAlgorithm`` (2 cells, 2 groups × 4 runs per step, a plain tiny
 model, the user's own task by factory, evaluation every second iteration) trained 3 steps; its
-checkpoint, weights and callbacks as they were after step 2; the RLlib deprecation warnings
+checkpoint, Hugging Face export, weights and callbacks as they were after step 2; the RLlib
+deprecation warnings
 logged while it ran. ``test_algorithm.py`` (steps 1-2, the checkpoint) and ``test_results.py``
 (steps 1-3: RLlib's result check, documented keys, lifetime counters) read it; building cells and
 training cost ~30-60 s, paid once.
@@ -39,6 +40,10 @@ class TrainedAlgo:
     """Scheduler step → run ids it trained (``RayActuator.trained``) after step 3."""
     spooled: list[str] | None = None
     """Run ids in the run spool after step 3 (none of them an evaluation run)."""
+    exported: Any = None
+    """``export_hf`` after step 2 (a Hugging Face directory)."""
+    model_dir: str = ""
+    """The policy directory it was built from."""
 
 
 @pytest.fixture(scope="session")
@@ -71,6 +76,7 @@ def trained_algo(tmp_path_factory) -> TrainedAlgo:
         callbacks = list(RecordingCallbacks.seen)
         path = tmp_path_factory.mktemp("ckpt") / "algo"
         algo.save_to_path(str(path))
+        exported = algo.export_hf(str(tmp_path_factory.mktemp("export") / "hf"))
         weights = {k: v.clone() for k, v in
                    ray.get(algo.actuator.learners.state_ref)["weights"].items()}
         results.append(algo.train())
@@ -81,5 +87,6 @@ def trained_algo(tmp_path_factory) -> TrainedAlgo:
     finally:
         logging.getLogger("ray._common.deprecation").removeHandler(handler)
         ray.shutdown()
-    return TrainedAlgo(results, path, weights, callbacks, seen, eval_runs, trained_runs,
-                       spooled)
+    return TrainedAlgo(results, path, weights, callbacks, seen, eval_runs=eval_runs,
+                       trained_runs=trained_runs, spooled=spooled, exported=exported,
+                       model_dir=model_dir)

@@ -5,7 +5,6 @@ agent is one main trajectory."""
 from __future__ import annotations
 
 import asyncio
-import io
 
 import numpy as np
 import openai

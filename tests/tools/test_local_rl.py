@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ray_xlong.models import load_model
-from ray_xlong.rollout import TokenFormat, HarnessConfig, HFEngine, Harness
+from ray_xlong.rollout import HarnessConfig, HFEngine, Harness
 from benchmarks.tools.local_rl import (LocalRLConfig, WarmStartConfig, push_weights, rollout,
                                         run_local_rl, train_step)
 from ray_xlong.rollout.tasks import make_task
