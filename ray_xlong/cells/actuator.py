@@ -35,6 +35,7 @@ is not a death raises ``CellActorDied``.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any, Sequence
@@ -44,7 +45,7 @@ from ray_xlong.cells.broadcast import broadcast_sync
 from ray_xlong.cells.config import CellJobConfig
 from ray_xlong.cells.job_state import INF, JobState
 from ray_xlong.cells.learner_group import (ElasticLearnerGroup, MicroBatch, StepIncomplete,
-                                           plan_step)
+                                           plan_step, state_lost)
 from ray_xlong.cells.metrics import RayResult, job_result
 from ray_xlong.cells.protocols import CellHost
 from ray_xlong.cells.ray_edge import RayCalls, RayEdge
@@ -187,9 +188,10 @@ class RayActuator:
             calls += [cell.learner.set_xlong_state.remote(state), cell.learner.sleep.remote(),
                       cell.runner.resume.remote(weights, version)]
         s.ray.get(calls)
-        # The state lives in the driver's object store, so it outlives any node (durable).
-        s.learners = ElasticLearnerGroup([c.learner for c in s.cells],
-                                         state=s.ray.get(state), durable=True, ray=s.ray)
+        # The driver keeps the ref only: the state lives on the learners (every one loaded it).
+        s.learners = ElasticLearnerGroup(
+            [c.learner for c in s.cells], state=state, version=version, ray=s.ray,
+            state_source=functools.partial(state_lost, checkpoint_dir=s.cfg.checkpoint_dir))
         s.t0 = time.monotonic()
         for c in range(len(self.cells)):
             self.watch_runs(c)

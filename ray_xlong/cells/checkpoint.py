@@ -85,7 +85,7 @@ def resume(job: JobState, path: str | os.PathLike, *, recovery: Recovery,
     job.ray.get([call for cell in job.cells for call in (
         cell.learner.set_xlong_state.remote(learner_state), cell.learner.sleep.remote())])
     job.learners = ElasticLearnerGroup([c.learner for c in job.cells], state=learner_state,
-                                       durable=True, ray=job.ray)
+                                       ray=job.ray)
     job.ray.get([c.runner.resume.remote(job.learners.weights_ref, job.learners.version)
                  for c in job.cells])
     _ended_from_spool(job, state["ended"])

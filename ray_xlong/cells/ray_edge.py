@@ -4,7 +4,8 @@ actuator, recovery, checkpointing and the learner group make, behind one small o
 ```
 JobState.ray : RayCalls ─┬─ RayEdge (this module): ray.get / ray.wait / ray.put,
                          │    ray.exceptions.RayError, actor_lost / actor_alive,
-                         │    reduce_gradients (the sum tasks of a step)
+                         │    reduce_gradients (the sum tasks of a step), the driver's
+                         │    rendezvous of the groups between cells (collectives.PeerGroups)
                          └─ an in-process fake (tests/cells/fakes.py): ready refs, no Ray
 ```
 
@@ -49,6 +50,10 @@ class RayCalls(Protocol):
 
     def reduce(self, parts: Sequence[Any], *, scheme: str) -> list[Any]:
         """The ``apply_step`` argument summing gradient ``parts`` (``reduce.reduce_gradients``)."""
+
+    def peer_groups(self) -> Any:
+        """The rendezvous of the groups between cells (``collectives.PeerGroups``, made on
+        first use), or None: reductions and state then go through the object store."""
 
 
 def actor_lost(exc: BaseException) -> bool:
@@ -95,3 +100,13 @@ class RayEdge:
 
     def reduce(self, parts: Sequence[Any], *, scheme: str) -> list[Any]:
         return reduce_gradients(parts, scheme=scheme)
+
+    def peer_groups(self) -> Any:
+        from ray_xlong.cells.collectives import PeerGroups
+
+        if getattr(self, "_peer_groups", None) is None:
+            self._peer_groups = PeerGroups(timeout_s=self.collective_timeout_s)
+        return self._peer_groups
+
+    collective_timeout_s: float = 60.0
+    """Bound of every rendezvous and collective between cells (``PeerGroup.timeout_s``)."""
