@@ -249,8 +249,10 @@ class ElasticLearnerGroup:
         are off, the Ray edge has no rendezvous, or ``cells`` differ in ranks (shard
         layouts)."""
         peers = self._rendezvous()
-        ranks = {len(getattr(self.learners[c], "ranks", [None])) for c in cells}
-        if peers is None or len(cells) < 2 or len(ranks) != 1:
+        if peers is None or len(cells) < 2:
+            return None
+        ranks = {_ranks(self.learners[c]) for c in cells}
+        if len(ranks) != 1:
             return None
         return peers.groups(kind, tuple(cells))
 
@@ -404,3 +406,9 @@ class ElasticLearnerGroup:
             if self.ray.lost(exc):
                 return None
             raise
+
+
+def _ranks(learner: Any) -> int:
+    """Learner ranks behind a handle (a ``sharded.ShardedCell`` lists its ranks; else 1)."""
+    ranks = getattr(learner, "ranks", None)
+    return len(ranks) if isinstance(ranks, list) else 1
