@@ -156,9 +156,11 @@ class ElasticLearnerGroup:
                 else int(state["version"])
         self.version = int(version)
         self.state_source = state_source or state_lost
+        if isinstance(state, Mapping):
+            state = self.ray.put(dict(state))
         self.kept: tuple[int, Any] | None = (self.version, state) if state is not None else None
-        """``(version, state value or ref)`` of an object-store copy, the fallback of
-        :attr:`state_ref` when no live learner holds that version."""
+        """``(version, state ref)`` of an object-store copy, the fallback of :attr:`state_ref`
+        when no live learner holds that version."""
         self._weights: tuple[int, Any] | None = None
         self.learner_version = [self.version] * len(learners)
         self.members: list[int] = []
@@ -184,31 +186,37 @@ class ElasticLearnerGroup:
         ``get_xlong_state`` (its node's object store, never the driver's), else the kept
         object-store copy of that version, else ``state_source(version)``. For recovery and
         checkpoints; a joining cell gets the state peer to peer (:meth:`join`)."""
-        for c in self._by_preference(self.holders()):
-            if self.ray.alive(self.learners[c]):
-                return self.learners[c].get_xlong_state.remote()
-            self.learner_version[c] = -1
-        if self.kept is not None and self.kept[0] == self.version:
-            return self.kept[1]
-        return self.state_source(self.version)
+        holder = self._live_holder()
+        if holder is not None:
+            return self.learners[holder].get_xlong_state.remote()
+        if self.kept is None or self.kept[0] != self.version:
+            state = self.state_source(self.version)
+            self.kept = (self.version, self.ray.put(dict(state))
+                         if isinstance(state, Mapping) else state)
+        return self.kept[1]
 
     @property
     def weights_ref(self) -> Any:
-        """The current weights as a ref (a holder's ``get_weights``, made once per version):
-        what engines load from the object store."""
+        """The current weights as a ref, made once per version from a live holder's
+        ``get_weights`` (the lead first): what engines load from the object store. The
+        object outlives its learner (it lives in the node's store)."""
         if self._weights is None or self._weights[0] != self.version:
-            holders = self.holders()
-            if self.lead in holders:
-                ref = self.learners[self.lead].get_weights.remote()
-            elif holders:
-                ref = self.learners[holders[0]].get_weights.remote()
-            elif self.kept is not None and self.kept[0] == self.version \
-                    and isinstance(self.kept[1], Mapping):
-                ref = self.ray.put(self.kept[1]["weights"])
-            else:
-                return self.state_source(self.version)["weights"]
+            holder = self._live_holder()
+            if holder is not None:
+                ref = self.learners[holder].get_weights.remote()
+            else:   # no learner holds it: the recovery path, from the kept / reloaded state
+                ref = self.ray.put(self.ray.get(self.state_ref)["weights"])
             self._weights = (self.version, ref)
         return self._weights[1]
+
+    def _live_holder(self) -> int | None:
+        """A cell whose learner holds the current version and is alive (idle ones and the lead
+        first; one found dead stops counting as a holder), or None."""
+        for c in self._by_preference(self.holders()):
+            if self.ray.alive(self.learners[c]):
+                return c
+            self.learner_version[c] = -1
+        return None
 
     def _by_preference(self, cells: Sequence[int]) -> list[int]:
         """``cells``, those not in the step in progress first (idle: a state request does not

@@ -352,4 +352,5 @@ def test_no_holder_left_asks_the_state_source_or_names_the_checkpoint():
         group.state_ref
     from_disk = {"weights": {"w": 1.0}, "version": 0, "optimizer": None}
     group = ElasticLearnerGroup(actors, ray=FakeRay(), state_source=lambda v: from_disk)
-    assert group.state_ref is from_disk
+    assert group.ray.get(group.state_ref) == from_disk
+    assert group.ray.get(group.weights_ref) == from_disk["weights"]
