@@ -99,11 +99,23 @@ class Meter:
                 meter.add("out", a, method)
             return remote(self_, *args, **kwargs)
 
+        self._originals = (get, put, remote)
         ray.get, ray.put, ActorMethod.remote = counted_get, counted_put, counted_remote
         try:
             yield self
         finally:
             ray.get, ray.put, ActorMethod.remote = get, put, remote
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Inside :meth:`watching`: the driver's calls go uncounted (a benchmark's own
+        probes)."""
+        counted = ray.get, ray.put, ActorMethod.remote
+        ray.get, ray.put, ActorMethod.remote = self._originals
+        try:
+            yield self
+        finally:
+            ray.get, ray.put, ActorMethod.remote = counted
 
 
 def run(seed: int, steps: int, runs_per_group: int, groups: int) -> dict:

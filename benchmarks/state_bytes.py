@@ -15,7 +15,10 @@ each step's weights are fetched by a task as an engine would (the object-store w
                       state, weights and gradients through the object store, gathers); ``in``
                       is the acceptance (``out`` also holds the weights rank 0 publishes for
                       the engines, the weight sync's); runs' episodes are not counted
-    shard             the fp32 weights a Learner process holds (params × 4 B ÷ ranks)
+    shard             the fp32 weights a Learner process holds (params × 4 B ÷ ranks); the
+                      state shard adds Adam's moments (× 3). ``max Learner in/step`` is the
+                      mean over the steps (max over processes); the worst single step is a
+                      join (its state shard) plus that step's all-reduce
 
 Acceptance (issue 22): largest ÷ smallest model driver bytes ≤ 1.5 with parameters ≥ 20×,
 ≤ 1 MB + O(runs) per step; per Learner process ≤ 3 × its shard per step. A projection to the
@@ -157,10 +160,11 @@ def _kill(cells: list) -> None:
             ray.kill(c, no_restart=True)
 
 
-def train_elastic(group: Any, steps: int, seed: int) -> list[int]:
-    """``steps`` steps of a seeded elastic schedule: each step a random subset of the cells,
-    joining one micro-batch apart (cells that sat out load the state from a holder). Returns
-    the runs of each step."""
+def train_elastic(group: Any, steps: int, seed: int, *, after_step: Any = None) -> list[int]:
+    """``steps`` steps of an elastic schedule: step ``s`` is trained by 2 or 3 cells from cell
+    ``s mod 4`` on (so cells sit steps out and join later, loading the state from a holder),
+    joining one micro-batch apart in a seeded order. Returns the runs of each step;
+    ``after_step()`` runs after each."""
     from ray_xlong.cells.learner_group import plan_step
 
     rng = random.Random(seed)
@@ -169,7 +173,8 @@ def train_elastic(group: Any, steps: int, seed: int) -> list[int]:
         digests_ref, payload = _rollout.remote(step, seed)
         digests = ray.get(digests_ref)
         micro, _ = plan_step(digests, processor=_processor(), max_tokens=MICRO_TOKENS)
-        members = rng.sample(range(CELLS), rng.randint(1, CELLS))
+        members = [(step + i) % CELLS for i in range(2 + step % 2)]
+        rng.shuffle(members)
         group.begin(step)
         refs = []
         for i, m in enumerate(micro):
@@ -181,6 +186,8 @@ def train_elastic(group: Any, steps: int, seed: int) -> list[int]:
         group.finish()
         ray.get(_engine_load.remote(group.weights_ref))
         runs.append(len(digests))
+        if after_step is not None:
+            after_step()
     return runs
 
 
@@ -190,31 +197,45 @@ def measure(model_dir: str, params: int, ranks: int, steps: int, seed: int) -> d
 
     cells, processes = start_cells(model_dir, ranks)
     try:
-        before = ray.get([p.traffic.remote() for p in processes])
+        snapshots = [ray.get([p.traffic.remote() for p in processes])]
         meter = Meter()
+
+        def snapshot() -> None:
+            with meter.paused():
+                snapshots.append(ray.get([p.traffic.remote() for p in processes]))
+
         with PeakRss() as rss, meter.watching():
             group = ElasticLearnerGroup(cells)
             t0 = time.perf_counter()
-            runs = train_elastic(group, steps, seed)
+            runs = train_elastic(group, steps, seed, after_step=snapshot)
             seconds = time.perf_counter() - t0
-        after = ray.get([p.traffic.remote() for p in processes])
     finally:
         _kill(cells)
-    moved = [{k: (a.get(k, 0) - b.get(k, 0)) / steps for k in a} for a, b in zip(after, before)]
+    steps_in = [[_moved(b, a, "_in") for b, a in zip(before, after)]      # [step][process]
+                for before, after in zip(snapshots, snapshots[1:])]
+    steps_out = [[_moved(b, a, "_out") for b, a in zip(before, after)]
+                 for before, after in zip(snapshots, snapshots[1:])]
+    total = [{k: (a.get(k, 0) - b.get(k, 0)) / steps for k in a}
+             for a, b in zip(snapshots[-1], snapshots[0])]
     shard = params * 4 // ranks
-    learner_in = [sum(v for k, v in m.items() if k.endswith("_in")) for m in moved]
-    learner_out = [sum(v for k, v in m.items() if k.endswith("_out")) for m in moved]
     return {"size": "", "params": params, "ranks_per_cell": ranks, "cells": CELLS,
             "steps": steps, "runs_per_step": statistics.mean(runs),
             "driver_bytes_per_step": (meter.bytes_in + meter.bytes_out) / steps,
             "driver_bytes_by_kind": {k: v / steps for k, v in meter.by_kind.items()},
             "driver_peak_rss_bytes": rss.peak, "driver_rss_growth_bytes": rss.peak - rss.start,
-            "shard_bytes": shard,
-            "max_learner_bytes_per_step": max(learner_in),
-            "max_learner_bytes_out_per_step": max(learner_out),
-            "learner_bytes_by_kind": _max_by_kind(moved),
+            "shard_bytes": shard, "state_shard_bytes": STATE_BYTES_PER_PARAM * params // ranks,
+            "max_learner_bytes_per_step": max(sum(s[i] for s in steps_in) / steps
+                                              for i in range(len(processes))),
+            "max_learner_bytes_out_per_step": max(sum(s[i] for s in steps_out) / steps
+                                                  for i in range(len(processes))),
+            "worst_learner_step_bytes": max(max(s) for s in steps_in),
+            "learner_bytes_by_kind": _max_by_kind(total),
             "peer_states": group.peer_states, "fallbacks": group.fallbacks,
             "seconds": seconds}
+
+
+def _moved(before: dict, after: dict, suffix: str) -> int:
+    return sum(v - before.get(k, 0) for k, v in after.items() if k.endswith(suffix))
 
 
 def _max_by_kind(moved: list[dict]) -> dict[str, float]:
@@ -297,15 +318,17 @@ def print_table(result: dict) -> None:
     print(f"\n## Learner state and gradients per step ({result['cells']} cells, elastic, "
           f"{result['steps']} steps)\n")
     print("| model | params | ranks/cell | runs/step | driver B/step | driver peak RSS | "
-          "shard (fp32) | max Learner in/step | ÷ shard | max Learner out/step | "
-          "peer states | fallbacks |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "shard (fp32) | max Learner in/step | ÷ shard | worst step in ÷ shard | "
+          "÷ state shard | max Learner out/step | peer states | fallbacks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
         print(f"| {r['size']} | {r['params']:,} | {r['ranks_per_cell']} | "
               f"{r['runs_per_step']:.0f} | {_b(r['driver_bytes_per_step'])} | "
               f"{_b(r['driver_peak_rss_bytes'])} | {_b(r['shard_bytes'])} | "
               f"{_b(r['max_learner_bytes_per_step'])} | "
               f"{r['max_learner_bytes_per_step'] / r['shard_bytes']:.2f} | "
+              f"{r['worst_learner_step_bytes'] / r['shard_bytes']:.2f} | "
+              f"{r['worst_learner_step_bytes'] / r['state_shard_bytes']:.2f} | "
               f"{_b(r['max_learner_bytes_out_per_step'])} | {r['peer_states']} | "
               f"{r['fallbacks']} |")
     print("\n| layout | params × | driver bytes × | max driver B/step | max Learner in ÷ "
