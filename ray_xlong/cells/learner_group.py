@@ -237,19 +237,21 @@ class ElasticLearnerGroup:
         if self.step < 0 or cell in self.members:
             raise RuntimeError(f"ElasticLearnerGroup.join: cell {cell} (step {self.step}, "
                                f"members {self.members})")
-        behind = self.learner_version[cell] != self.version
-        source = [c for c in self._by_preference(self.holders()) if c != cell]
+        state = None
+        if self.learner_version[cell] != self.version:       # behind: the state comes along
+            source = [c for c in self._by_preference(self.holders()) if c != cell]
+            groups = self._peer_groups("state", source[:1] + [cell])
+            if groups is None:
+                state = self.state_ref
+            else:
+                self.peer_states += 1
+                self.learners[source[0]].send_state.remote(StateFrom(groups[source[0]],
+                                                                     self.version))
+                state = StateFrom(groups[cell], self.version)
         self.members.append(cell)
         self.held.setdefault(cell, [])
         self.learner_version[cell] = self.version
-        if not behind:
-            return self.learners[cell].wake_up.remote(None, after)
-        groups = self._peer_groups("state", source[:1] + [cell])
-        if groups is None:
-            return self.learners[cell].wake_up.remote(self.state_ref, after)
-        self.peer_states += 1
-        self.learners[source[0]].send_state.remote(StateFrom(groups[source[0]], self.version))
-        return self.learners[cell].wake_up.remote(StateFrom(groups[cell], self.version), after)
+        return self.learners[cell].wake_up.remote(state, after)
 
     def _peer_groups(self, kind: str, cells: Sequence[int]) -> dict[int, PeerGroup] | None:
         """The :class:`PeerGroup` of each of ``cells`` (their order: positions) for ``kind``
