@@ -81,6 +81,9 @@ class RayEdge:
     """:class:`RayCalls` on a running Ray (what every job uses)."""
 
     Error = ray.exceptions.RayError
+    collective_timeout_s: float = 60.0
+    """Bound of every rendezvous and collective between cells (``PeerGroup.timeout_s``): a
+    member lost mid-reduce costs the others this long before the object-store fallback."""
 
     def get(self, refs: Any, *, timeout: float | None = None) -> Any:
         return ray.get(refs, timeout=timeout)
@@ -107,6 +110,3 @@ class RayEdge:
         if getattr(self, "_peer_groups", None) is None:
             self._peer_groups = PeerGroups(timeout_s=self.collective_timeout_s)
         return self._peer_groups
-
-    collective_timeout_s: float = 60.0
-    """Bound of every rendezvous and collective between cells (``PeerGroup.timeout_s``)."""
