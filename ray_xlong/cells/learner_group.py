@@ -14,7 +14,9 @@ streams micro-batches as groups end and cells free up::
                 the others), then one step each ─► every member holds version+1
 
 The driver holds refs, digests and step records, never a tensor: each step's new weights and
-optimizer state live on the step's members (every member applied the same update). A cell
+optimizer state live on the step's members (every member applied the same update; a step
+applied by one member alone also leaves a copy in that member's node's object store, so the
+loss of that one process does not lose the state). A cell
 that joins later, or that sat out steps, gets them from a holder peer to peer (``join``: a
 broadcast between the holder's and the joiner's ranks, shard to shard, ``collectives.py``).
 The groups are made per membership set on first use and cached by the members (bounded, LRU;
@@ -334,6 +336,13 @@ class ElasticLearnerGroup:
         self.lead = done[0]
         self.version, self.step, self.members = new, -1, []
         self.held, self.banked = {}, []
+        if len(done) < 2:
+            # One process holds the new state: keep a copy in its node's object store (not the
+            # driver's), which outlives that learner; weights and state, made now.
+            lead = self.learners[done[0]]
+            self.kept = (new, lead.get_xlong_state.remote())
+            self._weights = (new, lead.get_weights.remote())
+            self.ray.wait([self.kept[1], self._weights[1]], num_returns=2, timeout=None)
         return dead
 
     def _collective(self, members: list[int], new: int) -> tuple[list[int], list[int]] | None:

@@ -90,7 +90,8 @@ class RayEdge:
 
     def wait(self, refs: Sequence[Any], *, num_returns: int,
              timeout: float | None) -> tuple[list[Any], list[Any]]:
-        return ray.wait(list(refs), num_returns=num_returns, timeout=timeout)
+        # readiness only: a ready object stays where it was made (no copy to the driver's node)
+        return ray.wait(list(refs), num_returns=num_returns, timeout=timeout, fetch_local=False)
 
     def put(self, value: Any) -> Any:
         return ray.put(value)
