@@ -9,8 +9,9 @@ This counts what actually passes through the driver process while ``algo.train()
 
 A small job (2 cells, the ``lookup`` task, HF engines, a tiny model) runs ``--steps`` steps; the
 tables give bytes per step in and out, and by kind: ``runs`` (ended runs or their digests),
-``micro`` (what the learners train on), ``state`` (learner weights / Adam state: the durable
-copy of each step's state), ``other`` (role calls, run specs).
+``micro`` (what the learners train on), ``state`` (learner weights / Adam state: none since
+the state stays on the learners, ``cells/collectives.py``), ``other`` (role calls, run specs).
+The state's bytes per model size, driver and Learner side: ``benchmarks/state_bytes.py``.
 
     python benchmarks/driver_bytes.py --seed 0 --steps 4 --json out.json
     python benchmarks/driver_bytes.py --smoke                          # tiny budget (CI)
@@ -98,11 +99,23 @@ class Meter:
                 meter.add("out", a, method)
             return remote(self_, *args, **kwargs)
 
+        self._originals = (get, put, remote)
         ray.get, ray.put, ActorMethod.remote = counted_get, counted_put, counted_remote
         try:
             yield self
         finally:
             ray.get, ray.put, ActorMethod.remote = get, put, remote
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Inside :meth:`watching`: the driver's calls go uncounted (a benchmark's own
+        probes)."""
+        counted = ray.get, ray.put, ActorMethod.remote
+        ray.get, ray.put, ActorMethod.remote = self._originals
+        try:
+            yield self
+        finally:
+            ray.get, ray.put, ActorMethod.remote = counted
 
 
 def run(seed: int, steps: int, runs_per_group: int, groups: int) -> dict:

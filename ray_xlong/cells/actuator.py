@@ -195,9 +195,10 @@ class RayActuator:
             calls += [cell.learner.set_xlong_state.remote(state), cell.learner.sleep.remote(),
                       cell.runner.resume.remote(weights, version)]
         s.ray.get(calls)
-        # The state lives in the driver's object store, so it outlives any node (durable).
-        s.learners = ElasticLearnerGroup([c.learner for c in s.cells],
-                                         state=s.ray.get(state), durable=True, ray=s.ray)
+        # The driver keeps the ref only: the state lives on the learners (every one loaded it).
+        s.learners = ElasticLearnerGroup(
+            [c.learner for c in s.cells], state=state, version=version, ray=s.ray,
+            state_source=self.recovery.state_source)
         s.t0 = time.monotonic()
         for c in range(len(self.cells)):
             self.watch_runs(c)

@@ -187,13 +187,14 @@ def resume(job: JobState, path: str | os.PathLike, *, recovery: Recovery,
     job.stats = collections.defaultdict(list, state["stats"])
     job.faults[:] = list(state["faults"])
     learner_dir = str(pathlib.Path(path).parent / state["learner_dir"])
-    job.ray.get([call for cell in job.cells for call in (
+    done = job.ray.get([call for cell in job.cells for call in (
         cell.learner.load_checkpoint.remote(learner_dir), cell.learner.sleep.remote())])
-    job.learners = ElasticLearnerGroup([c.learner for c in job.cells], durable=True,
-                                       ray=job.ray)
-    if job.learners.version != state["version"]:
-        raise ValueError(f"RayActuator.resume_from: {learner_dir} holds version "
-                         f"{job.learners.version}, the records version {state['version']}")
+    if {int(v) for v in done[::2]} != {int(state["version"])}:
+        raise ValueError(f"RayActuator.resume_from: {learner_dir} holds versions "
+                         f"{sorted(set(done[::2]))}, the records version {state['version']}")
+    job.learners = ElasticLearnerGroup([c.learner for c in job.cells],
+                                       version=int(state["version"]),
+                                       state_source=recovery.state_source, ray=job.ray)
     job.ray.get([c.runner.resume.remote(job.learners.weights_ref, job.learners.version)
                  for c in job.cells])
     _ended_from_spool(job, state["ended"])

@@ -9,13 +9,26 @@ streams micro-batches as groups end and cells free up::
     begin(step) ; join(cell) … ; submit(cell, micro, payloads) …   any cell, any order, any time
                  (the learner packs the runs from the payload refs: the Learner connector
                   pipeline, XLongLearner.accumulate_runs)
-    finish() ─► take_gradients on every member ─► apply_step(all grads, Σ weights) on every
-                member ─► state (weights + Adam) of version+1 in the object store
+    finish() ─► reduce_step(group of the members, Σ weights, version+1) on every member:
+                an all-reduce of their gradients (rank i of a sharded cell with rank i of
+                the others), then one step each ─► every member holds version+1
 
-The reduce goes through the object store (one sum task in cell order, each member fetches the
-one sum: ``reduce.py``), so it works across nodes and a membership that changes per step without
-re-forming a collective group; every member ends on identical weights and optimizer state. A
-cell that joins later, or that sat out steps, first loads the latest state (``join``).
+The driver holds refs, digests and step records, never a tensor: each step's new weights and
+optimizer state live on the step's members (every member applied the same update; a step
+applied by one member alone also leaves a copy in that member's node's object store, so the
+loss of that one process does not lose the state). A cell
+that joins later, or that sat out steps, gets them from a holder peer to peer (``join``: a
+broadcast between the holder's and the joiner's ranks, shard to shard, ``collectives.py``).
+The groups are made per membership set on first use and cached by the members (bounded, LRU;
+``collectives.PeerGroups`` keys them on the driver's rendezvous store, which carries no
+tensor). ``state_ref`` / ``weights_ref`` are refs made on demand from a live holder (recovery,
+checkpoints, the engines' object-store weight sync); when no learner holds the version, the
+group asks its ``state_source`` (a checkpoint loader; by default an error naming the
+checkpoint directory).
+
+When the all-reduce fails (a member lost mid-reduce, a timeout), no member's gradient changed:
+the step goes through the object store instead (one sum task in cell order, each member fetches
+the one sum: ``reduce.py``), as it does without a rendezvous (the in-process fake).
 
 Invariant (docs/design.md 7): for one batch, the new weights are the same whether 1 cell, several
 cells, or cells joining at different micro-batches trained it (to float tolerance: only the
@@ -24,22 +37,25 @@ order of additions differs).
 A learner that dies mid-step (:meth:`ElasticLearnerGroup.replace`) loses only its local
 gradient: the group kept every micro-batch it handed that member this step, so they go back to
 the queue and the step ends with the same update. If it dies inside :meth:`finish`, the
-survivors' gradients are already taken: they are *banked* (kept as object refs and added at the
-next attempt) and :class:`StepIncomplete` tells the caller which micro-batches to train again.
+all-reduce fails for everyone and the object-store fallback takes the survivors' gradients:
+they are *banked* (kept as object refs and added at the next attempt, which stays on the object
+store) and :class:`StepIncomplete` tells the caller which micro-batches to train again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from ray_xlong.cells.collectives import PeerGroup, StateFrom
 from ray_xlong.cells.ray_edge import RayCalls, RayEdge, actor_alive, actor_lost
+from ray_xlong.cells.reduce import SCHEMES
 from ray_xlong.trajectory import BatchStats, ProcessorConfig, group_advantages
 from ray_xlong.trajectory.per_run import (RunDigest, merge_stats, normalizer,
                                           plan_micro_batches)
 
 __all__ = ["ElasticLearnerGroup", "MicroBatch", "StepIncomplete", "actor_alive", "actor_lost",
-           "plan_step"]
+           "plan_step", "state_lost"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,48 +113,125 @@ class StepIncomplete(RuntimeError):
         self.lost, self.redo = lost, redo
 
 
+def state_lost(version: int, *, checkpoint_dir: str | None = None) -> Any:
+    """The default ``state_source``: no live learner holds ``version`` and nothing else does.
+
+    Raises:
+        RuntimeError: always, naming where a checkpoint would be.
+    """
+    where = f" in {checkpoint_dir}" if checkpoint_dir else " (CellJobConfig.checkpoint_dir)"
+    raise RuntimeError(f"ElasticLearnerGroup: every learner holding version {version} is lost; "
+                       f"its state is lost (resume from a checkpoint{where})")
+
+
 class ElasticLearnerGroup:
     """Learner actors by cell; a step's members change between micro-batches (module doc)."""
 
-    def __init__(self, learners: Sequence[Any], *, state: Any = None,
-                 durable: bool = False, reduce: str = "leader",
-                 ray: RayCalls | None = None) -> None:
+    def __init__(self, learners: Sequence[Any], *, state: Any = None, version: int | None = None,
+                 state_source: Callable[[int], Any] | None = None,
+                 reduce: str = "collective", ray: RayCalls | None = None) -> None:
         """Args:
             learners: one built ``XLongLearner`` actor handle per cell, all at version 0 with
                 the same weights (or all loaded with ``state``).
-            state: the learners' ``get_xlong_state`` (value) when they were loaded from a
-                checkpoint; its version becomes the group's.
-            durable: keep each step's state in the driver's object store (one copy through
-                the driver per step), so that it survives the loss of the node that computed
-                it; without it the state lives on a member's node.
-            reduce: how the members' gradients are summed (``reduce.SCHEMES``; ``leader``,
-                the cheapest measured: each member fetches one sum, not every gradient).
+            state: the state the learners were loaded with (a value or a ref), when not the
+                fresh one; kept as the object-store copy of its version (``state_ref``) until
+                the first step. Its version is ``version`` when given (the driver never
+                fetches a ref), else ``state["version"]``.
+            version: the learners' version (default: ``state``'s, else 0).
+            state_source: ``state_source(version)`` → a state (value or ref) when no live
+                learner holds ``version`` (a checkpoint loader); raises when it has none.
+                Default :func:`state_lost`.
+            reduce: ``collective`` (an all-reduce over the step's members, the object store
+                as its fallback) or one of ``reduce.SCHEMES`` (the object store only).
             ray: the Ray calls (``ray_edge.RayEdge`` by default; an in-process fake in tests).
         """
         self.ray = ray if ray is not None else RayEdge()
+        if reduce != "collective" and reduce not in SCHEMES:
+            raise ValueError(f"ElasticLearnerGroup.reduce must be 'collective' or one of "
+                             f"{SCHEMES}, got {reduce!r}")
         self.reduce = reduce
-        self.durable = durable
         if not learners:
             raise ValueError("ElasticLearnerGroup.learners: need at least one learner")
         self.learners = list(learners)
-        if state is None and durable:
-            state = self.ray.get(self.learners[0].get_xlong_state.remote())
-        if state is None:
-            self.version = 0
-            self.state_ref = self.learners[0].get_xlong_state.remote()
-            self.weights_ref = self.learners[0].get_weights.remote()
-        else:
-            self.version = int(state["version"])
-            self.state_ref = self.ray.put(dict(state))
-            self.weights_ref = self.ray.put(state["weights"])
+        if version is None:
+            version = 0 if state is None or not isinstance(state, Mapping) \
+                else int(state["version"])
+        self.version = int(version)
+        self.state_source = state_source or state_lost
+        if isinstance(state, Mapping):
+            state = self.ray.put(dict(state))
+        self.kept: tuple[int, Any] | None = (self.version, state) if state is not None else None
+        """``(version, state ref)`` of an object-store copy, the fallback of :attr:`state_ref`
+        when no live learner holds that version."""
+        self._weights: tuple[int, Any] | None = None
         self.learner_version = [self.version] * len(learners)
         self.members: list[int] = []
         self.held: dict[int, list[MicroBatch]] = {}
         self.banked: list[Any] = []
         self.total = 0.0
         self.step = -1
-        self.lead: int | None = None
-        """The member whose state the last step's refs came from (it holds those weights)."""
+        self.lead: int | None = 0
+        """A cell that holds the current version (the last step's first member to apply it)."""
+        self.fallbacks = 0
+        """Steps reduced through the object store after their collective failed."""
+        self.peer_states = 0
+        """States a joining cell loaded from a holder, peer to peer."""
+
+    # -- where the current state lives (the driver holds refs only) ----------------------------
+    def holders(self) -> list[int]:
+        """Cells whose learner holds the current version (weights and optimizer state)."""
+        return [c for c, v in enumerate(self.learner_version) if v == self.version]
+
+    @property
+    def state_ref(self) -> Any:
+        """The current state (weights + optimizer + version) as a ref: from a live holder's
+        ``get_xlong_state`` (its node's object store, never the driver's), else the kept
+        object-store copy of that version, else ``state_source(version)``. For recovery and
+        checkpoints; a joining cell gets the state peer to peer (:meth:`join`)."""
+        holder = self._live_holder()
+        if holder is not None:
+            return self.learners[holder].get_xlong_state.remote()
+        if self.kept is None or self.kept[0] != self.version:
+            state = self.state_source(self.version)
+            self.kept = (self.version, self.ray.put(dict(state))
+                         if isinstance(state, Mapping) else state)
+        return self.kept[1]
+
+    @property
+    def weights_ref(self) -> Any:
+        """The current weights as a ref, made once per version from a live holder's
+        ``get_weights`` (the lead first): what engines load from the object store. The
+        object outlives its learner (it lives in the node's store)."""
+        if self._weights is None or self._weights[0] != self.version:
+            holder = self._live_holder()
+            if holder is not None:
+                ref = self.learners[holder].get_weights.remote()
+            else:   # no learner holds it: the recovery path, from the kept / reloaded state
+                ref = self.ray.put(self.ray.get(self.state_ref)["weights"])
+            self._weights = (self.version, ref)
+        return self._weights[1]
+
+    def reloaded(self, cell: int, learner: Any, version: int) -> None:
+        """``cell``'s ``learner`` holds ``version`` again (recovery reloaded a checkpoint and
+        replayed the steps since): it becomes the lead holder; weights are taken from it anew."""
+        self.learners[cell] = learner
+        self.learner_version[cell] = version
+        self.lead = cell
+        self._weights = None
+
+    def _live_holder(self) -> int | None:
+        """A cell whose learner holds the current version and is alive (idle ones and the lead
+        first; one found dead stops counting as a holder), or None."""
+        for c in self._by_preference(self.holders()):
+            if self.ray.alive(self.learners[c]):
+                return c
+            self.learner_version[c] = -1
+        return None
+
+    def _by_preference(self, cells: Sequence[int]) -> list[int]:
+        """``cells``, those not in the step in progress first (idle: a state request does not
+        wait behind their micro-batches)."""
+        return sorted(cells, key=lambda c: (c in self.members, c != self.lead, c))
 
     def begin(self, step: int) -> None:
         """Open step ``step`` (must equal the version: steps are applied in order)."""
@@ -154,11 +247,42 @@ class ElasticLearnerGroup:
         if self.step < 0 or cell in self.members:
             raise RuntimeError(f"ElasticLearnerGroup.join: cell {cell} (step {self.step}, "
                                f"members {self.members})")
+        state = None
+        if self.learner_version[cell] != self.version:       # behind: the state comes along
+            source = [c for c in self._by_preference(self.holders()) if c != cell]
+            groups = self._peer_groups("state", source[:1] + [cell])
+            if groups is None:
+                state = self.state_ref
+            else:
+                self.peer_states += 1
+                self.learners[source[0]].send_state.remote(StateFrom(groups[source[0]],
+                                                                     self.version))
+                state = StateFrom(groups[cell], self.version)
         self.members.append(cell)
         self.held.setdefault(cell, [])
-        behind = self.learner_version[cell] != self.version
         self.learner_version[cell] = self.version
-        return self.learners[cell].wake_up.remote(self.state_ref if behind else None, after)
+        return self.learners[cell].wake_up.remote(state, after)
+
+    def _peer_groups(self, kind: str, cells: Sequence[int]) -> dict[int, PeerGroup] | None:
+        """The :class:`PeerGroup` of each of ``cells`` (their order: positions) for ``kind``
+        (``state``: holder, joiner; ``reduce``: the members), or None when the collectives
+        are off, the Ray edge has no rendezvous, or ``cells`` differ in ranks (shard
+        layouts)."""
+        peers = self._rendezvous()
+        if peers is None or len(cells) < 2:
+            return None
+        ranks = {_ranks(self.learners[c]) for c in cells}
+        if len(ranks) != 1:
+            return None
+        return peers.groups(kind, tuple(cells))
+
+    def _rendezvous(self) -> Any:
+        """The Ray edge's ``collectives.PeerGroups`` (None: collectives off, or an edge
+        without one — everything then goes through the object store)."""
+        if self.reduce != "collective":
+            return None
+        rendezvous = getattr(self.ray, "peer_groups", None)
+        return rendezvous() if rendezvous is not None else None
 
     def submit(self, cell: int, micro: MicroBatch, *, payloads: Sequence[Any],
                counted: bool = False):
@@ -196,15 +320,79 @@ class ElasticLearnerGroup:
         """Reduce over the members, apply one step on each; blocks until applied. Returns the
         members that died *after* the update was applied (replace them; the step is done).
 
+        The members all-reduce their gradients over a group of theirs (:meth:`_collective`);
+        when that fails (a member lost mid-reduce, a timeout) nobody's gradient changed and
+        the step goes through the object store (``reduce.py``) instead.
+
         Raises:
             StepIncomplete: members died before the update was applied (see module docstring).
         """
         if self.step < 0 or not self.members:
             raise RuntimeError(f"ElasticLearnerGroup.finish: step {self.step} has no members")
         members = sorted(self.members)
-        grads = {c: self.learners[c].take_gradients.remote() for c in members}
-        parts = self.ray.reduce(self.banked + [grads[c] for c in members], scheme=self.reduce)
         new = self.version + 1
+        outcome = self._collective(members, new)
+        if outcome is None:
+            done, dead = self._object_store(members, new)
+        else:
+            done, dead = outcome
+        for c in done:
+            self.learner_version[c] = new
+        for c in members:
+            if c not in done:
+                self.learner_version[c] = -1     # behind (or dead): reloads when it joins
+        self.lead = done[0]
+        self.version, self.step, self.members = new, -1, []
+        self.held, self.banked = {}, []
+        if len(done) < 2:
+            # One process holds the new state: keep a copy in its node's object store (not the
+            # driver's), which outlives that learner; weights and state, made now.
+            lead = self.learners[done[0]]
+            self.kept = (new, lead.get_xlong_state.remote())
+            self._weights = (new, lead.get_weights.remote())
+            self.ray.wait([self.kept[1], self._weights[1]], num_returns=2, timeout=None)
+        return dead
+
+    def _collective(self, members: list[int], new: int) -> tuple[list[int], list[int]] | None:
+        """``reduce_step`` on every member over the members' group. Returns ``(applied,
+        died)``, or None when no member applied (collectives off or failed: fall back)."""
+        if self.banked or self._rendezvous() is None:
+            return None
+        if len(members) == 1:       # alone: its own gradient is the step's (no group)
+            groups = {members[0]: None}
+        else:
+            groups = self._peer_groups("reduce", members)
+            if groups is None:
+                return None
+        applied = {c: self.learners[c].reduce_step.remote(groups[c], self.total, new)
+                   for c in members}
+        done, dead = [], []
+        for c in members:
+            try:
+                self.ray.get(applied[c])
+                done.append(c)
+            except self.ray.Error as exc:
+                if self.ray.lost(exc):
+                    dead.append(c)
+        if len(done) == len(members):
+            return done, dead
+        if len(members) > 1:
+            self.ray.peer_groups().failed("reduce", tuple(members))
+        if done:   # the all-reduce completed somewhere: every gradient is in those updates
+            return done, dead
+        self.fallbacks += 1
+        return None
+
+    def _object_store(self, members: list[int], new: int) -> tuple[list[int], list[int]]:
+        """The object-store reduction (``reduce.py``): ``take_gradients`` on every member, the
+        sum by Ray tasks, ``apply_step`` on every member. Returns ``(applied, died)``.
+
+        Raises:
+            StepIncomplete: nobody applied the update (see module docstring).
+        """
+        scheme = "leader" if self.reduce == "collective" else self.reduce
+        grads = {c: self.learners[c].take_gradients.remote() for c in members}
+        parts = self.ray.reduce(self.banked + [grads[c] for c in members], scheme=scheme)
         applied = {c: self.learners[c].apply_step.remote(parts, self.total, new)
                    for c in members}
         dead, done = [], []
@@ -219,6 +407,7 @@ class ElasticLearnerGroup:
         if not done:
             # Nobody applied the update. Keep every gradient that survived (in the driver's
             # object store: its node may go next), redo the micro-batches of the lost ones.
+            # The one place gradient values reach the driver: a fault inside the fallback.
             kept = {c: self._gradient(grads[c]) for c in members}
             lost = [c for c in members if kept[c] is None]
             gone = [c for c in members if c in dead and not self.ray.alive(self.learners[c])]
@@ -230,33 +419,7 @@ class ElasticLearnerGroup:
             self.held = {c: [] for c in members if c not in gone and c not in lost}
             self.members = [c for c in members if c not in gone and c not in lost]
             raise StepIncomplete(sorted(set(lost) | set(gone)), redo)
-        for c in done:
-            self.learner_version[c] = new
-        for c in dead:
-            self.learner_version[c] = -1
-        for c in done:  # any member that applied the update holds the new state
-            lead = self.learners[c]
-            try:
-                if self.durable:
-                    state = self.ray.get(lead.get_xlong_state.remote())
-                    self.state_ref = self.ray.put(state)
-                    self.weights_ref = self.ray.put(state["weights"])
-                else:
-                    self.state_ref = lead.get_xlong_state.remote()
-                    self.weights_ref = lead.get_weights.remote()
-                self.lead = c
-                break
-            except self.ray.Error as exc:
-                if not self.ray.lost(exc):
-                    raise
-                self.learner_version[c] = -1
-                dead.append(c)
-        else:
-            raise RuntimeError("ElasticLearnerGroup.finish: every member died right after the "
-                               "update; its state is lost (resume from a checkpoint)")
-        self.version, self.step, self.members = new, -1, []
-        self.held, self.banked = {}, []
-        return dead
+        return done, dead
 
     def sleep(self, cell: int):
         """Put ``cell``'s learner to sleep (it lends memory to the engine). Returns a ref."""
@@ -270,3 +433,9 @@ class ElasticLearnerGroup:
             if self.ray.lost(exc):
                 return None
             raise
+
+
+def _ranks(learner: Any) -> int:
+    """Learner ranks behind a handle (a ``sharded.ShardedCell`` lists its ranks; else 1)."""
+    ranks = getattr(learner, "ranks", None)
+    return len(ranks) if isinstance(ranks, list) else 1

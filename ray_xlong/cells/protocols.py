@@ -88,6 +88,15 @@ class Learner(Protocol):
     def apply_step(self, grads: Sequence[Any], total: float, version: int) -> int:
         """One optimizer step with ``Σ grads / total``; returns ``version`` (= own + 1)."""
 
+    def reduce_step(self, group: Any, total: float, version: int) -> int:
+        """:meth:`apply_step` with the gradient all-reduced over ``group`` (a
+        ``collectives.PeerGroup``; every member calls it; None: the only member); raises with
+        the local gradient untouched when the collective fails."""
+
+    def send_state(self, transfer: Any) -> int:
+        """Send weights + optimizer state to the joiner of ``transfer`` (a
+        ``collectives.StateFrom``), peer to peer; returns bytes sent."""
+
     def get_weights(self) -> Mapping[str, torch.Tensor]:
         """The weights engines load."""
 
@@ -100,8 +109,9 @@ class Learner(Protocol):
     def set_xlong_state(self, state: Mapping[str, Any]) -> int:
         """Load :meth:`get_xlong_state` output; returns the version."""
 
-    def wake_up(self, state: Mapping[str, Any] | None = None, after: Any = None) -> int:
-        """Awake; load ``state`` when its version differs. Returns the version."""
+    def wake_up(self, state: Any = None, after: Any = None) -> int:
+        """Awake; load ``state`` (a :meth:`get_xlong_state` value or a
+        ``collectives.StateFrom``) when its version differs. Returns the version."""
 
     def sleep(self) -> None:
         """Lend the cell's memory to the engines."""

@@ -4,7 +4,8 @@ actuator, recovery, checkpointing and the learner group make, behind one small o
 ```
 JobState.ray : RayCalls ─┬─ RayEdge (this module): ray.get / ray.wait / ray.put,
                          │    ray.exceptions.RayError, actor_lost / actor_alive,
-                         │    reduce_gradients (the sum tasks of a step)
+                         │    reduce_gradients (the sum tasks of a step), the driver's
+                         │    rendezvous of the groups between cells (collectives.PeerGroups)
                          └─ an in-process fake (tests/cells/fakes.py): ready refs, no Ray
 ```
 
@@ -50,6 +51,10 @@ class RayCalls(Protocol):
     def reduce(self, parts: Sequence[Any], *, scheme: str) -> list[Any]:
         """The ``apply_step`` argument summing gradient ``parts`` (``reduce.reduce_gradients``)."""
 
+    def peer_groups(self) -> Any:
+        """The rendezvous of the groups between cells (``collectives.PeerGroups``, made on
+        first use), or None: reductions and state then go through the object store."""
+
 
 def actor_lost(exc: BaseException) -> bool:
     """Whether ``exc`` (from ``ray.get``) means an actor died (directly or in a dependency)."""
@@ -76,13 +81,17 @@ class RayEdge:
     """:class:`RayCalls` on a running Ray (what every job uses)."""
 
     Error = ray.exceptions.RayError
+    collective_timeout_s: float = 60.0
+    """Bound of every rendezvous and collective between cells (``PeerGroup.timeout_s``): a
+    member lost mid-reduce costs the others this long before the object-store fallback."""
 
     def get(self, refs: Any, *, timeout: float | None = None) -> Any:
         return ray.get(refs, timeout=timeout)
 
     def wait(self, refs: Sequence[Any], *, num_returns: int,
              timeout: float | None) -> tuple[list[Any], list[Any]]:
-        return ray.wait(list(refs), num_returns=num_returns, timeout=timeout)
+        # readiness only: a ready object stays where it was made (no copy to the driver's node)
+        return ray.wait(list(refs), num_returns=num_returns, timeout=timeout, fetch_local=False)
 
     def put(self, value: Any) -> Any:
         return ray.put(value)
@@ -95,3 +104,10 @@ class RayEdge:
 
     def reduce(self, parts: Sequence[Any], *, scheme: str) -> list[Any]:
         return reduce_gradients(parts, scheme=scheme)
+
+    def peer_groups(self) -> Any:
+        from ray_xlong.cells.collectives import PeerGroups
+
+        if getattr(self, "_peer_groups", None) is None:
+            self._peer_groups = PeerGroups(timeout_s=self.collective_timeout_s)
+        return self._peer_groups

@@ -14,8 +14,8 @@ a pending ref failed because an actor died ─► recover(cell)
                  on other cells; payloads of its ended, untrained runs are rebuilt from the
                  spool by another runner) and rebuilt once Ray re-places the group
   state lost     every holder of the current state is gone (the last step's members: each
-                 applied the same update; the driver holds no copy unless the group is
-                 ``durable``): a live Learner loads the last completed checkpoint
+                 applied the same update; the driver holds refs only, and the group's
+                 object-store copy, if any, is of an older version): a live Learner loads the last completed checkpoint
                  (``checkpoint.py``) and replays the steps since from the spool — the step
                  records name the runs each step trained, in order, and their advantages come
                  from the same digests — so the state is the one lost (to float tolerance:
@@ -296,10 +296,19 @@ class Recovery:
                 if v == g.version and c not in s.retired and s.ray.alive(g.learners[c])]
 
     def state_lost(self) -> bool:
-        """No copy of the current state is left: the group keeps none in the driver's object
-        store (not ``durable``) and no holder is alive."""
+        """No copy of the current state is left: no holder is alive and the group keeps no
+        object-store copy of that version."""
         g = self.state.learners
-        return g is not None and not getattr(g, "durable", False) and not self.holders()
+        return g is not None and not self.holders() \
+            and (g.kept is None or g.kept[0] != g.version)
+
+    def state_source(self, version: int) -> Any:
+        """The learner group's ``state_source``: no live learner holds ``version``, so a live
+        one reloads the last checkpoint and replays the steps since (:meth:`reload_checkpoint`);
+        returns a ref of the state from that learner (never through the driver)."""
+        self.reload_checkpoint("no live learner holds the state", target=version)
+        g = self.state.learners
+        return g.learners[g.lead].get_xlong_state.remote()
 
     def reload_checkpoint(self, why: str, *, cell: int | None = None,
                           target: int | None = None) -> int:
@@ -350,11 +359,7 @@ class Recovery:
             replayed, runs = replayed + 1, runs + len(ids)
         if cell not in s.awake:
             s.ray.get(learner.sleep.remote())
-        g.learners[cell] = learner
-        g.learner_version[cell] = target
-        g.state_ref = learner.get_xlong_state.remote()
-        g.weights_ref = learner.get_weights.remote()
-        g.lead = cell
+        g.reloaded(cell, learner, target)
         self._record("state", cell, now, t0, why=f"{why}: reloaded version {version}, replayed "
                      f"{replayed} steps", from_spool=runs)
         return replayed

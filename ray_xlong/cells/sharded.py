@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from ray_xlong.cells.collectives import count, gathered
 from ray_xlong.cells.context_parallel import make_groups, rank_share
 from ray_xlong.cells.learner_settings import LearnerSettings
 from ray_xlong.cells.sharding import ShardingError, ShardingSettings, rank_placements
@@ -147,30 +148,76 @@ class LearnerRank:
                                f"trains version {version} (reload its state first)")
 
     def take_gradients(self) -> dict[str, torch.Tensor] | None:
-        """The cell's summed gradient, unsharded (rank 0; None on the others), then cleared."""
+        """The cell's summed gradient, unsharded (rank 0; None on the others), then cleared:
+        the object-store fallback only (:meth:`reduce_step` never gathers it)."""
         out = {}
         for name, p in self.lm.named_parameters():
             g = p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape)
             out[name] = g.detach().to("cpu", copy=True)
             p.grad = None
-        return out if self.rank == 0 else None
+        gathered(self.lm, "gradients")
+        if self.rank != 0:
+            return None
+        count("gradients", "out", out)
+        return out
 
     def apply_step(self, grads: Sequence[Any], total: float, version: int) -> int:
-        """One Adam step on this rank's shards with ``Σ grads / total`` (see XLongLearner)."""
+        """One Adam step on this rank's shards with ``Σ grads / total`` (see XLongLearner): the
+        object-store reduction's fallback path (full gradients in, each rank keeps its
+        shard)."""
         from torch.distributed.tensor import distribute_tensor
 
         ray = sys.modules.get("ray")        # no Ray imported: no refs to fetch
         if ray is not None:
             grads = [ray.get(g) if isinstance(g, ray.ObjectRef) else g for g in grads]
-        if version != self.version + 1:
-            raise RuntimeError(f"LearnerRank.apply_step: rank at version {self.version} cannot "
-                               f"produce version {version} (reload its state first)")
+        count("gradients", "in", grads)
+        self._check_next("apply_step", version)
         for name, p in self.lm.named_parameters():
             g = grads[0][name].clone()
             for other in grads[1:]:
                 g += other[name]
             g = (g / total).to(self.device, p.dtype)
             p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+        return self._step(version)
+
+    def reduce_step(self, group: Any, total: float, version: int) -> int:
+        """This rank's gradient shard all-reduced with rank ``rank`` of the step's other member
+        cells over ``group`` (``cells.collectives``: no full gradient anywhere), ÷ ``total``,
+        one Adam step on the shards. The cell's ranks first agree that every one of them
+        reduced (a MIN over the cell's own group), so a cell applies on all ranks or none.
+
+        Raises:
+            RuntimeError: a rank's collective failed or timed out; every rank's gradient is
+                untouched (the group falls back to ``take_gradients`` + :meth:`apply_step`).
+        """
+        import torch.distributed as dist
+
+        from ray_xlong.cells.collectives import reduce_gradients
+
+        self._check_next("reduce_step", version)
+        shards = {n: p.grad for n, p in self.lm.named_parameters()}
+        error = None
+        try:
+            spec = None if group is None else group.spec(self.rank, self.device)
+            reduce_gradients(self.lm, self, spec, total)
+        except Exception as exc:  # noqa: BLE001 - reported to the cell's ranks, then raised
+            error = exc
+        ok = torch.tensor([0.0 if error else 1.0], device=self.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if float(ok) < 1.0:
+            for name, p in self.lm.named_parameters():   # a rank that reduced puts its own back
+                p.grad = shards[name]
+            raise RuntimeError(f"LearnerRank.reduce_step: rank {self.rank}: the cell's "
+                               f"collective failed ({error or 'on another rank'})")
+        return self._step(version)
+
+    def _check_next(self, call: str, version: int) -> None:
+        if version != self.version + 1:
+            raise RuntimeError(f"LearnerRank.{call}: rank at version {self.version} cannot "
+                               f"produce version {version} (reload its state first)")
+
+    def _step(self, version: int) -> int:
+        """Clip, Adam on the shards' gradients, the new version."""
         if self.settings.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(list(self.lm.parameters()), self.settings.grad_clip)
         self.opt.step()
@@ -183,7 +230,11 @@ class LearnerRank:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.lm, options=full)
+        out = get_model_state_dict(self.lm, options=full)
+        gathered(self.lm, "weights")
+        if self.rank == 0:
+            count("weights", "out", out)
+        return out
 
     def send_weights(self, spec: Any, version: int) -> int:
         """Gather the full weights (collective) and broadcast them from rank 0 to the runners
@@ -217,6 +268,7 @@ class LearnerRank:
                                                              set_model_state_dict,
                                                              set_optimizer_state_dict)
 
+        count("state", "in", state)
         full = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.lm, state["weights"], options=full)
         if state["optimizer"] is None:
@@ -281,16 +333,42 @@ class LearnerRank:
                 pass
         return str(out)
 
-    def wake_up(self, state: Mapping[str, Any] | None = None, after: Any = None) -> int:
+    def wake_up(self, state: Any = None, after: Any = None) -> int:
         """Awake: the training state back on the device, then ``state`` loaded if its
-        version differs. Returns the version."""
+        version differs — a full :meth:`get_xlong_state`, or a ``cells.collectives.StateFrom``:
+        this rank's shards from rank ``rank`` of a holder cell (:meth:`send_state`). Returns
+        the version."""
+        from ray_xlong.cells.collectives import StateFrom, receive_state
+
         if self.asleep and self.offload_to != self.device:
             move_training_state(self.root, self.opt, self.device)
             self.sleep_memory["awake"] = _allocated(self.device)
         self.asleep = False
-        if state is not None and int(state["version"]) != self.version:
+        if isinstance(state, StateFrom):
+            if state.version != self.version:
+                receive_state(self.lm, self.opt, self, state.group.spec(self.rank, self.device),
+                              state.version)
+                self.version = state.version
+        elif state is not None and int(state["version"]) != self.version:
             self.set_xlong_state(state)
         return self.version
+
+    def send_state(self, transfer: Any) -> int:
+        """Send this rank's parameter and Adam shards to rank ``rank`` of the joiner of
+        ``transfer`` (a ``cells.collectives.StateFrom``). Returns bytes sent."""
+        from ray_xlong.cells.collectives import send_state
+
+        if transfer.version != self.version:
+            raise RuntimeError(f"LearnerRank.send_state: rank at version {self.version}, "
+                               f"asked to send version {transfer.version}")
+        return send_state(self.lm, self.opt, self, transfer.group.spec(self.rank, self.device),
+                          transfer.version)
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes this process moved by kind (``cells.collectives.traffic``)."""
+        from ray_xlong.cells.collectives import traffic
+
+        return dict(traffic)
 
     def sleep(self) -> None:
         """Free the device for the cell's engines: gradients dropped; the parameter shards and
@@ -475,6 +553,8 @@ class ShardedCell:
     call (and ``xlong_metrics``, ``__ray_ready__``) goes to every rank (:class:`_EveryRank`)."""
 
     take_gradients = _EveryRank(rank0=True)
+    reduce_step = _EveryRank()
+    send_state = _EveryRank()
     get_weights = _EveryRank(rank0=True)
     get_xlong_state = _EveryRank(rank0=True)
     build = _EveryRank()

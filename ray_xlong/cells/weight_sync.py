@@ -254,10 +254,14 @@ def abort_group(pg: Any) -> None:
 
 class SyncGroups:
     """A member's sync groups by key (made on first use; a newer generation drops the older
-    ones, whose peers may be dead)."""
+    ones, whose peers may be dead; beyond ``limit`` groups the least recently used one is shut
+    down, so a member of many changing sets holds a bounded number of groups)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, limit: int | None = None) -> None:
         self.groups: dict[str, tuple[Any, Any]] = {}
+        """By key, least recently used first."""
+        self.limit = limit
+        """Most groups kept (None: no bound)."""
         self.aborted = 0
         """Groups aborted after a failed or timed-out collective."""
 
@@ -266,8 +270,12 @@ class SyncGroups:
         member of the spec must call it)."""
         for key in [k for k in self.groups if int(k.split("/", 1)[0]) < spec.generation]:
             self.drop(key)
-        if spec.key not in self.groups:
+        if spec.key in self.groups:
+            self.groups[spec.key] = self.groups.pop(spec.key)      # most recently used
+        else:
             self.groups[spec.key] = _make_group(spec)
+        while self.limit is not None and len(self.groups) > self.limit:
+            self.drop(next(iter(self.groups)))
         return self.groups[spec.key]
 
     def drop(self, key: str) -> None:
@@ -320,12 +328,15 @@ def _make_group(spec: SyncSpec) -> tuple[Any, Any]:
         return dist.ProcessGroupNCCL(store, spec.rank, spec.world, opts), store
 
 
-def sync_groups(owner: Any) -> SyncGroups:
-    """``owner``'s :class:`SyncGroups`, made on first use and kept as ``owner._sync_groups``:
-    the one place an actor (a Learner, a runner, an engine actor, a sharded rank) gets its
-    sync groups."""
-    groups = getattr(owner, "_sync_groups", None)
+def sync_groups(owner: Any, name: str = "weights", *, limit: int | None = None
+                ) -> SyncGroups:
+    """``owner``'s :class:`SyncGroups` named ``name``, made on first use (with ``limit``) and
+    kept on ``owner``: the one place an actor (a Learner, a runner, an engine actor, a sharded
+    rank) gets its process groups — ``weights`` for the weight syncs, ``collectives`` for the
+    groups between cells (``cells/collectives.py``), each with its own generations."""
+    attr = "_sync_groups" if name == "weights" else f"_sync_groups_{name}"
+    groups = getattr(owner, attr, None)
     if groups is None:
-        groups = SyncGroups()
-        owner._sync_groups = groups
+        groups = SyncGroups(limit=limit)
+        setattr(owner, attr, groups)
     return groups

@@ -43,6 +43,7 @@ from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.learner.torch.torch_learner import TorchLearner
 from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 
+from ray_xlong.cells.collectives import count
 from ray_xlong.cells.config import DTYPES, LearnerSettings  # noqa: F401 (re-exported)
 from ray_xlong.rllib.connector import ADVANTAGES_KEY, PrefixTreeConnector
 from ray_xlong.rllib.results import LearnerStepStats
@@ -163,11 +164,13 @@ class XLongLearner(TorchLearner):
         for name, p in self.lm.named_parameters():
             out[name] = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
             p.grad = None
+        count("gradients", "out", out)
         return out
 
     def apply_step(self, grads: Sequence[Mapping[str, torch.Tensor]], total: float,
                    version: int) -> int:
-        """One optimizer step with ``Σ grads / total`` (summed in the given order).
+        """One optimizer step with ``Σ grads / total`` (summed in the given order): the
+        object-store reduction (``cells/reduce.py``), the fallback of :meth:`reduce_step`.
 
         Args:
             grads: the participants' :meth:`take_gradients` (values or object refs), in cell
@@ -179,15 +182,40 @@ class XLongLearner(TorchLearner):
             The new version.
         """
         grads = [ray.get(g) if isinstance(g, ray.ObjectRef) else g for g in grads]
-        if version != self.version + 1:
-            raise RuntimeError(f"XLongLearner.apply_step: learner at version {self.version} "
-                               f"cannot produce version {version} (reload its state first)")
+        count("gradients", "in", grads)
+        self._check_next("apply_step", version)
         start = time.perf_counter()
         for name, p in self.lm.named_parameters():
             g = grads[0][name].clone()
             for other in grads[1:]:
                 g += other[name]
             p.grad = g / total
+        return self._step(total, version, start)
+
+    def reduce_step(self, group: Any, total: float, version: int) -> int:
+        """:meth:`apply_step` with the gradient summed over the step's members by an
+        all-reduce over ``group`` (``cells.collectives.PeerGroup``; every member calls it;
+        None: the step's only member).
+
+        Raises:
+            Exception: the collective failed or timed out; the local gradient is untouched
+                (the group falls back to ``take_gradients`` + :meth:`apply_step`).
+        """
+        from ray_xlong.cells.collectives import reduce_gradients
+
+        self._check_next("reduce_step", version)
+        start = time.perf_counter()
+        device = next(self.lm.parameters()).device
+        reduce_gradients(self.lm, self, None if group is None else group.spec(0, device), total)
+        return self._step(total, version, start)
+
+    def _check_next(self, call: str, version: int) -> None:
+        if version != self.version + 1:
+            raise RuntimeError(f"XLongLearner.{call}: learner at version {self.version} "
+                               f"cannot produce version {version} (reload its state first)")
+
+    def _step(self, total: float, version: int, start: float) -> int:
+        """Clip, one optimizer step on the gradients in place, stats; the new version."""
         params = list(self.lm.parameters())
         if self.settings.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
@@ -203,7 +231,9 @@ class XLongLearner(TorchLearner):
     # -- state ---------------------------------------------------------------------------------
     def get_weights(self) -> dict[str, torch.Tensor]:
         """The LM's state dict (detached copies), what engines load."""
-        return {k: v.detach().clone() for k, v in self.lm.state_dict().items()}
+        out = {k: v.detach().clone() for k, v in self.lm.state_dict().items()}
+        count("weights", "out", out)
+        return out
 
     def send_weights(self, spec: Any, version: int) -> int:
         """Broadcast this learner's weights of ``version`` to the runners of ``spec``'s sync
@@ -219,12 +249,16 @@ class XLongLearner(TorchLearner):
         return sync_groups(self).send(spec, weights, version)
 
     def get_xlong_state(self) -> dict[str, Any]:
-        """Weights + optimizer state + version: what a joining learner loads."""
-        return {"weights": self.get_weights(), "version": self.version,
-                "optimizer": self.get_optimizer().state_dict()}
+        """Weights + optimizer state + version, whole (a checkpoint; a joining learner gets
+        the state from a peer instead: :meth:`send_state`)."""
+        out = {"weights": self.get_weights(), "version": self.version,
+               "optimizer": self.get_optimizer().state_dict()}
+        count("state", "out", out["optimizer"])
+        return out
 
     def set_xlong_state(self, state: Mapping[str, Any]) -> int:
         """Load :meth:`get_xlong_state` output; returns the version."""
+        count("state", "in", state)
         self.lm.load_state_dict(state["weights"])
         self.get_optimizer().load_state_dict(state["optimizer"])
         for p in self.lm.parameters():
@@ -269,14 +303,41 @@ class XLongLearner(TorchLearner):
         write_hf_dir(out, self.lm.state_dict().items(), model_dir=self.settings.model_dir)
         return str(out)
 
-    def wake_up(self, state: Mapping[str, Any] | None = None, after: Any = None) -> int:
-        """Take the cell's GPU share back; load ``state`` if it differs in version. ``after``
-        is ignored: passing the engine's sleep ref makes Ray run this once the engine slept.
-        Returns the version."""
+    def wake_up(self, state: Any = None, after: Any = None) -> int:
+        """Take the cell's GPU share back; load ``state`` if it differs in version: a
+        :meth:`get_xlong_state` value, or a ``cells.collectives.StateFrom`` (the state comes
+        from a holder's :meth:`send_state`, peer to peer). ``after`` is ignored: passing the
+        engine's sleep ref makes Ray run this once the engine slept. Returns the version."""
+        from ray_xlong.cells.collectives import StateFrom, receive_state
+
         self.asleep = False
-        if state is not None and int(state["version"]) != self.version:
+        if isinstance(state, StateFrom):
+            if state.version != self.version:
+                device = next(self.lm.parameters()).device
+                receive_state(self.lm, self.get_optimizer(), self,
+                              state.group.spec(0, device), state.version)
+                self.version = state.version
+        elif state is not None and int(state["version"]) != self.version:
             self.set_xlong_state(state)
         return self.version
+
+    def send_state(self, transfer: Any) -> int:
+        """Send this learner's weights and optimizer state to the joiner of ``transfer``
+        (a ``cells.collectives.StateFrom`` of this learner's version). Returns bytes sent."""
+        from ray_xlong.cells.collectives import send_state
+
+        if transfer.version != self.version:
+            raise RuntimeError(f"XLongLearner.send_state: learner at version {self.version}, "
+                               f"asked to send version {transfer.version}")
+        device = next(self.lm.parameters()).device
+        return send_state(self.lm, self.get_optimizer(), self,
+                          transfer.group.spec(0, device), transfer.version)
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes this process moved by kind (``cells.collectives.traffic``)."""
+        from ray_xlong.cells.collectives import traffic
+
+        return dict(traffic)
 
     def sleep(self) -> None:
         """Lend the cell's memory to the engine: drop gradients (on a GPU host the weights and

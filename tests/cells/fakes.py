@@ -205,6 +205,9 @@ class FakeRay:
     def alive(self, actor: Any) -> bool:
         return not actor.dead
 
+    def peer_groups(self) -> None:
+        return None                  # no process groups in process: the object store
+
     def reduce(self, parts: Sequence[Any], *, scheme: str) -> list[Any]:
         if scheme == "all" or len(parts) <= 1:
             return list(parts)
@@ -376,6 +379,12 @@ class FakeLearner:
     def send_weights(self, spec: Any, version: int) -> int:
         raise RuntimeError("FakeLearner: broadcast weight sync needs process groups (Ray)")
 
+    def reduce_step(self, group: Any, total: float, version: int) -> int:
+        raise RuntimeError("FakeLearner: a collective reduction needs process groups (Ray)")
+
+    def send_state(self, transfer: Any) -> int:
+        raise RuntimeError("FakeLearner: a peer-to-peer state needs process groups (Ray)")
+
     def get_xlong_state(self) -> dict[str, Any]:
         return {"weights": dict(self.weights), "version": self.version, "optimizer": None}
 
@@ -384,7 +393,7 @@ class FakeLearner:
         self.grad = collections.Counter()
         return self.version
 
-    def wake_up(self, state: Mapping[str, Any] | None = None, after: Any = None) -> int:
+    def wake_up(self, state: Any = None, after: Any = None) -> int:
         self.asleep = False
         if state is not None and int(state["version"]) != self.version:
             self.set_xlong_state(state)

@@ -212,7 +212,7 @@ def test_a_learner_lost_mid_step_gives_the_same_update(ray_local, model_dir, whe
     # No CPU reservation: the module's learner pools already hold most of the 2 logical CPUs,
     # and a replacement that cannot be placed would wait forever.
     learners = start_learners(ray_local, model_dir, "float32", 3, cpus=0)
-    group = ElasticLearnerGroup(learners)
+    group = ElasticLearnerGroup(learners, ray=short_edge())
     replaced = []
 
     def replace(cell: int) -> list:
@@ -251,8 +251,107 @@ def test_a_learner_lost_mid_step_gives_the_same_update(ray_local, model_dir, whe
                     cell = sorted(group.members)[j % len(group.members)]
                     ray_local.get(group.submit(cell, m, payloads=payloads, counted=True))
     assert replaced == [1 if when == "mid-step" else 2] and group.version == 2
+    # the dead member fails the all-reduce for everyone: that step went by the object store
+    assert group.fallbacks == (1 if when == "in-reduce" else 0)
     weight_err, update_err = errors(ray_local.get(group.learners[0].get_weights.remote()), want,
                                     start)
     for actor in group.learners:
         ray_local.kill(actor)
     assert weight_err <= 1e-5 and update_err <= 1e-4
+
+
+def short_edge(timeout_s: float = 5.0, peers=None):
+    """A ``RayEdge`` whose collectives between cells give up after ``timeout_s`` (a lost
+    member costs a test seconds, not the default minute); ``peers``: its rendezvous."""
+    from ray_xlong.cells.ray_edge import RayEdge
+
+    edge = RayEdge()
+    edge.collective_timeout_s = timeout_s
+    if peers is not None:
+        edge._peer_groups = peers
+    return edge
+
+
+class PhantomMember:
+    """``collectives.PeerGroups`` whose first ``fail`` reduce groups count one member more
+    than the step has: the members wait for it until their timeout, as for a member lost
+    mid-reduce, and every one of them must fall back with its gradient untouched."""
+
+    def __init__(self, fail: int, timeout_s: float = 3.0) -> None:
+        from ray_xlong.cells.collectives import PeerGroups
+
+        self.peers = PeerGroups(timeout_s=timeout_s)
+        self.fail = fail
+
+    def groups(self, kind, cells):
+        if kind != "reduce" or self.fail == 0:
+            return self.peers.groups(kind, cells)
+        self.fail -= 1
+        out = self.peers.groups(kind, (*cells, 99))
+        return {c: g for c, g in out.items() if c != 99}
+
+    def failed(self, kind, cells):
+        self.peers.failed(kind, cells)
+
+
+# step 0: cell 0 alone; step 1: cells 1 and 2, which sat out step 0: each loads the step-0
+# weights and Adam state from cell 0 (idle, asleep-equivalent) peer to peer.
+SAT_OUT = [lambda i: 0, lambda i: 1 if i % 2 else 2]
+
+
+@pytest.mark.slow
+def test_cells_that_sat_out_load_the_state_peer_to_peer(ray_local, learner_pool, model_dir):
+    """Item 1 of issue 22: the state of a step lives on its members; a joiner gets it from a
+    holder by a broadcast between them (no state ref is ever made), and the collective
+    reduction of the joiners gives the plain-torch weights."""
+    want = reference_weights(model_dir, "float32")
+    start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}
+    learners = learner_pool("float32")
+    group = ElasticLearnerGroup(learners, ray=short_edge())
+    train(ray_local, group, SAT_OUT, chunks=1)
+    assert group.version == 2 and group.peer_states == 2 and group.fallbacks == 0
+    assert group.holders() == [1, 2]
+    assert group.kept[0] == 1       # step 0 had one member: it left a copy in its object store
+    for learner in learners[1:]:
+        weight_err, update_err = errors(ray_local.get(learner.get_weights.remote()), want,
+                                        start)
+        assert weight_err <= 1e-5 and update_err <= 1e-4
+    sent = ray_local.get(learners[0].traffic.remote())
+    assert sent["state_out"] > 0 and "gradients_out" not in sent   # no object-store reduce
+
+
+@pytest.mark.slow
+def test_a_failed_all_reduce_falls_back_to_the_object_store_with_the_same_update(
+        ray_local, learner_pool, model_dir):
+    """Step 0's all-reduce waits for a member that never comes (as one lost mid-reduce):
+    every member's collective times out with its gradient untouched, the step goes through
+    the object store, and step 1 makes a new group; both end on the plain-torch weights."""
+    want = reference_weights(model_dir, "float32")
+    start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}
+    learners = learner_pool("float32")
+    phantom = PhantomMember(fail=1)
+    group = ElasticLearnerGroup(learners, ray=short_edge(peers=phantom))
+    train(ray_local, group, [lambda i: i % 3, lambda i: (i + 1) % 3], chunks=1)
+    assert group.version == 2 and group.fallbacks == 1 and phantom.peers.failures == 1
+    for learner in learners:
+        weight_err, update_err = errors(ray_local.get(learner.get_weights.remote()), want,
+                                        start)
+        assert weight_err <= 1e-5 and update_err <= 1e-4
+
+
+def test_no_holder_left_asks_the_state_source_or_names_the_checkpoint():
+    """Every learner holding the version is gone: ``state_ref`` asks the group's
+    ``state_source``; the default one fails naming the checkpoint directory."""
+    from fakes import FakeActor, FakeLearner, FakeRay, Ledger
+
+    actors = [FakeActor(FakeLearner(Ledger()), "learner") for _ in range(2)]
+    group = ElasticLearnerGroup(actors, ray=FakeRay())
+    assert group.ray.get(group.state_ref)["version"] == 0      # a live holder's
+    for a in actors:
+        a.kill()
+    with pytest.raises(RuntimeError, match="version 0 .*lost.*checkpoint"):
+        group.state_ref
+    from_disk = {"weights": {"w": 1.0}, "version": 0, "optimizer": None}
+    group = ElasticLearnerGroup(actors, ray=FakeRay(), state_source=lambda v: from_disk)
+    assert group.ray.get(group.state_ref) == from_disk
+    assert group.ray.get(group.weights_ref) == from_disk["weights"]

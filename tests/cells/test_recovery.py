@@ -175,7 +175,7 @@ def test_learner_lost_before_the_reduce_banks_the_survivors_gradients(tmp_path):
 
 
 def test_every_holder_of_the_state_lost_reloads_the_checkpoint_and_replays(tmp_path):
-    """The group keeps no copy of the state in the driver (not ``durable``): when every Learner
+    """The driver keeps no copy of the state: when every Learner
     that holds the current version is lost, a new Learner loads the last checkpoint (version 2)
     and replays the step since (2 → 3) from the spool — the same runs, the same update — and the
     job ends with every run trained once."""
@@ -188,11 +188,10 @@ def test_every_holder_of_the_state_lost_reloads_the_checkpoint_and_replays(tmp_p
         if g is None or g.version != 3 or s.checkpoint_ref is None:
             return None
         s.ray.get(s.checkpoint_ref)            # version 2 is on disk (fakes write lazily)
-        g.durable = False                       # the seam: the state lives on its holders only
+        g.kept = None                  # no object-store copy either: the state lives on its holders
         holders = a.recovery.holders()
         for c in holders:
             a.cells[c].learner.kill()
-        g.state_ref = g.learners[holders[0]].get_xlong_state.remote()   # gone with them
         return holders, dict(job.ledger.applied[3][0])
 
     act.injector = OnceWhen(lose_every_holder)
@@ -214,7 +213,7 @@ def test_the_state_lost_without_a_checkpoint_fails_loudly(tmp_path):
         g = a.learners
         if g is None or g.version != 1:
             return None
-        g.durable = False
+        g.kept = None
         for c in a.recovery.holders():
             a.cells[c].learner.kill()
         return True

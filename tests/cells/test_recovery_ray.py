@@ -1,6 +1,6 @@
 """Every holder of the state lost, on real cells (one local Ray node, 2 cells, real
 ``XLongLearner`` actors): the group keeps no copy in the driver (the seam the per-step durable
-copy leaves: ``durable=False``); at version 3 every Learner holding it is killed; a new Learner
+copy left); at version 3 every Learner holding it is killed; a new Learner
 loads the last checkpoint (version 2, a DCP checkpoint its Learner wrote in the background) and
 replays step 2 → 3 from the spool, ending on the lost weights (to float tolerance: one Learner
 sums what two did), and the job ends with every run trained once."""
@@ -64,11 +64,10 @@ def test_every_holder_lost_on_real_cells_reloads_and_replays(tmp_path):
                 if done is None or done[0] != 2:
                     return
                 seen["lost"] = ray.get(g.state_ref)["weights"]
-                g.durable = False
+                g.kept = None
                 holders = a.recovery.holders()
                 for c in holders:
                     ray.kill(g.learners[c], no_restart=True)
-                g.state_ref = g.learners[holders[0]].get_xlong_state.remote()
                 seen["holders"] = holders
 
         reload = act.recovery.reload_checkpoint

@@ -216,3 +216,35 @@ def test_a_users_connector_piece_runs_on_a_sharded_rank(ray_local, model_dir):
         want = 2.0 * p.grad
         err = float((got[name] - want).norm() / want.norm().clamp_min(1e-30))
         assert err <= 1e-5, (name, err)
+
+
+@pytest.mark.slow
+def test_sharded_cells_reduce_and_hand_over_state_shard_to_shard(ray_local, model_dir,
+                                                                 monkeypatch):
+    """Issue 22, items 1 and 3: step 0 is cell 0's alone; cell 1 sat it out, joins step 1 at
+    micro-batch 2 and gets the step-0 weights and Adam shards from cell 0 rank to rank; the
+    step's all-reduce sums rank i's gradient shard with rank i of the other cell. Nothing is
+    gathered (no ``take_gradients``), every rank moves about its shard, and both cells end on
+    the plain-torch weights."""
+    monkeypatch.setattr(lg, "MICRO_TOKENS", WIDE_MICRO_TOKENS)
+    want = reference_weights(model_dir, "float32")
+    start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}
+    cells = start_cells(model_dir, 2)
+    try:
+        group = ElasticLearnerGroup(cells, ray=lg.short_edge(30.0))
+        train(ray_local, group, [lambda i: 0, lambda i: 0 if i < 2 else 1], chunks=1)
+        assert group.version == 2 and group.peer_states == 1 and group.fallbacks == 0
+        traffic = [ray_local.get(r.traffic.remote()) for c in cells for r in c.ranks]
+        model = sum(t.numel() * t.element_size() for t in start.values()
+                    if t.dtype.is_floating_point)
+        for t in traffic:   # one all-reduce of a half-model shard over 2 cells: ~½ model
+            assert "gradients_in" not in t and "gradients_out" not in t
+            assert 0.3 * model <= t["reduce_in"] <= 0.7 * model
+        assert traffic[1]["state_out"] == traffic[3]["state_in"] > 0   # cell 0 rank 1 → 1 / 1
+        for cell in cells:
+            weight_err, update_err = errors(ray_local.get(cell.get_weights.remote()), want,
+                                            start)
+            assert weight_err <= 1e-5 and update_err <= 1e-4
+    finally:
+        for c in cells:
+            c.kill()
