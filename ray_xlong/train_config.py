@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.checks import is_int
 from ray_xlong.rllib.algorithm_config import XLongOptions
 from ray_xlong.rollout import HarnessConfig
@@ -233,7 +234,8 @@ def _apply(spec: TrainSpec, data: Mapping, where) -> TrainSpec:
     return dataclasses.replace(spec, **changes)
 
 
-NESTED = {"LossConfig": LossConfig, "HarnessConfig": HarnessConfig}
+NESTED = {"LossConfig": LossConfig, "HarnessConfig": HarnessConfig,
+          "ShardingSettings": ShardingSettings}
 """Field types that are dataclasses themselves (set as a mapping)."""
 
 
