@@ -26,7 +26,6 @@ cell working again, or to the new driver having resumed). JSON::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -41,6 +40,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 
 KINDS = ("runner", "learner", "node", "driver")
 HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
@@ -211,18 +211,16 @@ def row(kind: str, injected: int, a, gaps: list[float], job_s: float, records, *
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Inject faults into elastic jobs on a local "
-                                            "multi-node Ray cluster and count what was lost.")
+    p = bench_parser("Inject faults into elastic jobs on a local multi-node Ray cluster and "
+                     "count what was lost.", smoke=False)
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"comma-separated fault kinds among {KINDS}")
     p.add_argument("--per-kind", type=int, default=2,
                    help="faults per job (runner / learner / node; driver is always 1)")
-    p.add_argument("--seed", type=int, default=0, help="chooses moments and victims")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per job")
     p.add_argument("--cells", type=int, default=3, help="cells (one worker node each)")
     p.add_argument("--ranks-per-cell", type=int, default=1,
                    help="Learner ranks per cell (FSDP2, gloo; a learner fault kills one rank)")
-    p.add_argument("--json", help="write the rows as JSON here")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     bad = set(kinds) - set(KINDS)
@@ -252,9 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = "-" if r["recover_s"] is None else f"{r['recover_s']:.2f}"
         print(f"{r['kind']:<8} {r['injected']:>8} {r['survived']:>8} {r['runs_lost']:>5} "
               f"{r['runs_trained_twice']:>5} {r['runs_rerun']:>6} {rec:>9} {r['job_s']:>7.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"faults": rows, "config": vars(args)}, f, indent=1)
+    finish({"faults": rows, "config": vars(args)}, show=lambda _: None, json_path=args.json)
     return 0 if all(r["audit_ok"] for r in rows) else 1
 
 

@@ -29,21 +29,20 @@ PNG per mode (Ray above, simulator below: one plotting function for both logs).
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
+import sys
 
-from ray_xlong.jobs.mode_bench import (MODES, PAPER8_MODES, QUICK_MODES, SIZES, run_comparison,
-                                       table)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
+from ray_xlong.jobs.mode_bench import (MODES, PAPER8_MODES, QUICK_MODES, SIZES,  # noqa: E402
+                                       run_comparison, table)
 
 __all__ = ["MODES", "PAPER8_MODES", "QUICK_MODES", "SIZES", "main"]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seed", type=int, default=0)
+    p = bench_parser(__doc__)
     p.add_argument("--quick", action="store_true", help="reduced workload (about a minute)")
-    p.add_argument("--smoke", action="store_true", help="tiny budget (CI)")
     p.add_argument("--size", choices=sorted(SIZES), default=None,
                    help="job size (overrides --quick / --smoke); paper8 = the paper's shape")
     p.add_argument("--modes", nargs="+", default=None,
@@ -51,7 +50,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--address", default=None, help="Ray cluster to join (e.g. auto)")
     p.add_argument("--ranks-per-cell", type=int, default=1,
                    help="Learner ranks per training cell (FSDP2; gloo on CPU)")
-    p.add_argument("--json", type=pathlib.Path)
     p.add_argument("--plot-dir", type=pathlib.Path)
     args = p.parse_args(argv)
     size_name = args.size or ("smoke" if args.smoke else "quick" if args.quick else "full")
@@ -72,8 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
         split = out["modes"]["best_static"]["split"]
         print(f"best_static split: {split['rollout_cells']} rollout / "
               f"{split['training_cells']} training cells")
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    finish(out, show=lambda _: None, json_path=args.json)     # the tables are printed above
     if args.plot_dir:
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         for mode, (real, sim) in run.logs.items():

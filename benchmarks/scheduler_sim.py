@@ -23,12 +23,15 @@ seed (and elastic with the newest-run drain choice alone, to separate the two id
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
+import pathlib
+import sys
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks.tools
+from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 from ray_xlong.scheduling.asynchronous import AsyncPolicy
 from ray_xlong.scheduling.colocated import ColocatedPolicy
 from ray_xlong.scheduling.elastic import ElasticPolicy
@@ -253,10 +256,8 @@ def seed_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_parser(__doc__, smoke=False)
     ap.add_argument("--preset", default="paper-2.4t")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--plot", default=None, help="per-cell Gantt PNG of every mode")
     ap.add_argument("--steps", type=int, default=None, help="override the preset's steps (smoke runs)")
     ap.add_argument("--no-sweeps", action="store_true", help="skip the sweeps")
@@ -286,10 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         out["gap"], text = gap_table(preset, seed=args.seed,
                                      points=args.points or ["cells=16", "cells=32"])
         print(text)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=2)
-        return out
+        return finish(out, show=lambda _: None, json_path=args.json)
     logs: dict = {}
     if not args.sweeps_only:
         lb, rows, logs = run_modes(preset, seed=args.seed)
@@ -313,10 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
         plot_timelines({m: logs[m] for m in shown}, args.plot,
                        title=f"{preset.name} seed {args.seed}: per-cell roles")
         print(f"timeline written to {args.plot}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-    return out
+    return finish(out, show=lambda _: None, json_path=args.json)      # tables printed above
 
 
 if __name__ == "__main__":
