@@ -34,6 +34,7 @@ from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.checks import is_int
 from ray_xlong.rllib.algorithm_config import XLongOptions
 from ray_xlong.rollout import HarnessConfig
+from ray_xlong.rollout.engine_settings import EngineSettings
 from ray_xlong.trajectory import LossConfig
 
 TRACKERS = ("wandb", "mlflow")
@@ -235,7 +236,7 @@ def _apply(spec: TrainSpec, data: Mapping, where) -> TrainSpec:
 
 
 NESTED = {"LossConfig": LossConfig, "HarnessConfig": HarnessConfig,
-          "ShardingSettings": ShardingSettings}
+          "ShardingSettings": ShardingSettings, "EngineSettings": EngineSettings}
 """Field types that are dataclasses themselves (set as a mapping)."""
 
 

@@ -65,6 +65,7 @@ from ray_xlong.rllib.options import (AGENT_LR, RECIPE_HARNESS, RECIPE_LR, XLongO
 from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.cells.stepping import StepReport, SteppingActuator
 from ray_xlong.rollout import HarnessConfig
+from ray_xlong.rollout.engine_settings import EngineSettings
 from ray_xlong.rollout.tasks import TaskFactory
 from ray_xlong.trajectory import LossConfig
 
@@ -120,7 +121,8 @@ class XLongAlgorithm(Algorithm):
         opt = self.config.xlong_options
         rollout = RolloutConfig(model_dir=self.job.learner.model_dir, backend=opt.engine,
                                 harness=opt.harness, max_batch_size=opt.slots_per_cell,
-                                seed=int(self.config.seed or 0), dtype=self.job.learner.dtype)
+                                seed=int(self.config.seed or 0), dtype=self.job.learner.dtype,
+                                engine_settings=opt.engine_settings)
         actors = cell_actors(rollout=rollout, learner=self.job.learner,
                              processor=self.job.processor, seed=int(self.config.seed or 0),
                              spool_dir=self.job.spool_dir,
@@ -396,6 +398,7 @@ class XLongConfig(AlgorithmConfig):
               eval_pass_threshold: float = NotProvided, model_dir: str = NotProvided,
               dtype: str = NotProvided, loss: LossConfig = NotProvided, pack: str = NotProvided,
               normalize_std: bool = NotProvided, sharding: ShardingSettings = NotProvided,
+              engine_settings: EngineSettings = NotProvided,
               context_parallel: int = NotProvided, attn_implementation: str | None = NotProvided,
               harness: HarnessConfig = NotProvided,
               max_steps: int = NotProvided, poll_s: float = NotProvided,

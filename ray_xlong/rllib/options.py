@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from ray_xlong.cells.learner_settings import ATTENTIONS
 from ray_xlong.cells.sharding import ShardingSettings
+from ray_xlong.rollout.engine_settings import EngineSettings
 from ray_xlong.checks import is_int as _is_int
 from ray_xlong.rollout import HarnessConfig
 from ray_xlong.rollout.tasks import TaskFactory
@@ -104,6 +105,10 @@ class XLongOptions:
     mixed precision, activation checkpointing, memory per rank (``cells/sharding.py``). Each
     rank holds its bundle's GPUs in Ray (``gpus_per_node`` ÷ ranks per bundle); default: one
     Learner per cell on CPU."""
+    engine_settings: EngineSettings = EngineSettings()
+    """The rollout engines' long-context settings (``rollout/engine_settings.py``):
+    ``max_model_len`` (default: the model's own), ``tensor_parallel_size``, CUDA graphs on GPU
+    (``enforce_eager``), prefix caching, GPU memory share."""
     context_parallel: int = 1
     """Ranks per tree row (``LearnerSettings.context_parallel``): divides
     ``sharding.ranks_per_cell``; needs ``pack='tree'``."""
@@ -145,6 +150,8 @@ class XLongOptions:
         _check(isinstance(self.loss, LossConfig), "loss", "a LossConfig", self.loss)
         _check(isinstance(self.sharding, ShardingSettings), "sharding", "a ShardingSettings",
                self.sharding)
+        _check(isinstance(self.engine_settings, EngineSettings), "engine_settings",
+               "an EngineSettings", self.engine_settings)
         _check(_is_int(self.context_parallel) and self.context_parallel >= 1,
                "context_parallel", "an int >= 1", self.context_parallel)
         _check(self.attn_implementation is None or self.attn_implementation in ATTENTIONS,

@@ -16,6 +16,7 @@ ray = pytest.importorskip("ray")
 from algo_helpers import small_config  # noqa: E402
 from ray_xlong.cells.sharded import ShardedCell  # noqa: E402
 from ray_xlong.cells.sharding import ShardingSettings  # noqa: E402
+from ray_xlong.rollout.engine_settings import EngineSettings  # noqa: E402
 
 
 def held(actor) -> list[str]:
@@ -71,8 +72,11 @@ def test_every_sharded_rank_holds_its_bundles_gpus(logical_gpus, model_dir):
 
 @pytest.mark.slow
 def test_the_single_learner_holds_its_cells_gpu(logical_gpus, model_dir):
-    algo = small_config(model_dir).xlong(gpus_per_node=2).build_algo()
+    settings = EngineSettings(gpu_memory_utilization=0.3, enable_prefix_caching=False)
+    algo = small_config(model_dir).xlong(gpus_per_node=2, engine_settings=settings).build_algo()
     try:
+        assert all(inside(cell.runner, lambda self: self.rollout_config.engine_settings)
+                   == settings for cell in algo.pool.cells)   # the engine settings reach cells
         ids = [held(cell.learner) for cell in algo.pool.cells]
         assert [len(i) for i in ids] == [2, 2] and sorted(sum(ids, [])) == ["0", "1", "2", "3"]
         assert all(held(cell.runner) == [] for cell in algo.pool.cells)
@@ -87,10 +91,14 @@ def test_xlong_and_enable_carry_the_sharding_and_device_settings():
     from ray_xlong.rllib.enable import enable
 
     sharding = ShardingSettings(ranks_per_cell=4, device="cuda", mixed_precision="bf16")
+    engines = EngineSettings(max_model_len=131072, tensor_parallel_size=2, enforce_eager=False)
     for config in (small_config("/m").xlong(gpus_per_node=4, sharding=sharding,
-                                            context_parallel=2, attn_implementation="sdpa"),
+                                            context_parallel=2, attn_implementation="sdpa",
+                                            engine_settings=engines),
                    enable(PPOConfig().training(lr=1e-5), model_dir="/m", gpus_per_node=4,
-                          sharding=sharding, context_parallel=2, attn_implementation="sdpa")):
+                          sharding=sharding, context_parallel=2, attn_implementation="sdpa",
+                          engine_settings=engines)):
+        assert config.xlong_options.engine_settings == engines
         job = config.job_config(group_offset=0)
         assert job.sharding == sharding and job.layout.gpus_per_node == 4
         assert (job.learner.context_parallel, job.learner.attn_implementation) == (2, "sdpa")
@@ -100,6 +108,8 @@ def test_xlong_and_enable_carry_the_sharding_and_device_settings():
     pytest.param(dict(sharding={"ranks_per_cell": 2}), "sharding", id="not-a-record"),
     pytest.param(dict(context_parallel=0), "context_parallel", id="cp-0"),
     pytest.param(dict(attn_implementation="fast"), "attn_implementation", id="attention"),
+    pytest.param(dict(engine_settings={"max_model_len": 8192}), "engine_settings",
+                 id="engine-settings-not-a-record"),
 ])
 def test_bad_learner_settings_name_the_field(kwargs, field):
     from ray_xlong.rllib.algorithm_config import XLongConfig
