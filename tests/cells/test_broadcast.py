@@ -178,9 +178,11 @@ def test_a_lost_engine_actor_takes_its_runner_down_and_the_cell_is_rebuilt(cells
     old = routing(pool, 0)
     ray.kill(old.actors[1], no_restart=True)
     runner = pool.cells[0].runner
-    ray.get(runner.start_runs.remote([cfg.work.spec(950 + r, runs_per_group=1)
-                                      for r in range(2)]))  # pinned one to each actor
-    with pytest.raises(ray.exceptions.RayActorError):
+    with pytest.raises(ray.exceptions.RayActorError):   # the runner goes down: as soon as a
+        # call reaches the dead actor, which on a loaded machine may already be before these
+        # runs start (start_runs then fails with the runner's death)
+        ray.get(runner.start_runs.remote([cfg.work.spec(950 + r, runs_per_group=1)
+                                          for r in range(2)]))  # pinned one to each actor
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             ray.get(runner.num_live_runs.remote(), timeout=30)
