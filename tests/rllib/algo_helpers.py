@@ -65,3 +65,21 @@ def small_config(model_dir: str, *, mode: str = "elastic", seed: int = 0) -> XLo
             .callbacks(RecordingCallbacks)
             .xlong(mode=mode, cells=2, runs_per_group=4, slots_per_cell=8, model_dir=model_dir,
                    placement_strategy="PACK"))
+
+
+def scripted_factory(model_dir):
+    """An engine factory whose ``ScriptedEngine`` solves the arithmetic task in the token
+    format: one ``add`` call with the question's two numbers, then the tool's result as the
+    answer."""
+    from ray_xlong.models import load_tokenizer
+    from ray_xlong.rollout import ScriptedEngine, TokenFormat
+
+    chat = TokenFormat(load_tokenizer(model_dir))
+
+    def policy(ids):
+        text = chat.decode(ids)
+        if "<|tool|>" not in text:
+            a, b = text.split("What is ")[1].split("?")[0].split(" plus ")
+            return chat.call_ids("add", f"{a} {b}")
+        return chat.answer_ids(text.split("<|tool|>")[-1].split("<|end|>")[0])
+    return lambda: ScriptedEngine(policy, vocab_size=512)

@@ -9,12 +9,13 @@ import asyncio
 import time
 
 import pytest
+from algo_helpers import scripted_factory
 from ray.rllib.algorithms.ppo import PPOConfig
 
-from ray_xlong.models import build_tiny_model_dir, load_tokenizer
+from ray_xlong.models import build_tiny_model_dir
 from ray_xlong.rllib.cell_actors import CellRunner
 from ray_xlong.rllib.env_runner import RolloutConfig, RunSpec
-from ray_xlong.rollout import HarnessConfig, ScriptedEngine, TokenFormat
+from ray_xlong.rollout import HarnessConfig
 from ray_xlong.rollout.tasks.arithmetic import ArithmeticTask
 
 pytestmark = pytest.mark.rllib
@@ -33,17 +34,8 @@ def model_dir(tmp_path_factory):
 
 
 def make_runner(model_dir, spool_dir):
-    chat = TokenFormat(load_tokenizer(model_dir))
-
-    def policy(ids):
-        text = chat.decode(ids)
-        if "<|tool|>" not in text:
-            a, b = text.split("What is ")[1].split("?")[0].split(" plus ")
-            return chat.call_ids("add", f"{a} {b}")
-        return chat.answer_ids(text.split("<|tool|>")[-1].split("<|end|>")[0])
-
     cfg = RolloutConfig(model_dir=model_dir, harness=HarnessConfig(max_new_tokens=16),
-                        engine_factory=lambda: ScriptedEngine(policy, vocab_size=512))
+                        engine_factory=scripted_factory(model_dir))
     return CellRunner(config=PPOConfig(), rollout_config=cfg, tasks={"xl_slow_add": SlowAdd},
                       cell=3, spool_dir=str(spool_dir))
 

@@ -10,12 +10,13 @@ import tempfile
 
 import numpy as np
 import pytest
+from algo_helpers import scripted_factory
 from ray.rllib.algorithms.ppo import PPOConfig
 
-from ray_xlong.models import build_tiny_model_dir, load_model, load_tokenizer
+from ray_xlong.models import build_tiny_model_dir, load_model
 from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig, RunSpec
 from ray_xlong.rllib.episodes import runs_from_episodes
-from ray_xlong.rollout import TokenFormat, HarnessConfig, ScriptedEngine
+from ray_xlong.rollout import HarnessConfig
 from ray_xlong.rollout.tasks import UnknownTaskError
 
 pytestmark = pytest.mark.rllib
@@ -24,18 +25,6 @@ pytestmark = pytest.mark.rllib
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(build_tiny_model_dir(tmp_path_factory.mktemp("runner") / "m", seed=0))
-
-
-def scripted_factory(model_dir):
-    chat = TokenFormat(load_tokenizer(model_dir))
-
-    def policy(ids):
-        text = chat.decode(ids)
-        if "<|tool|>" not in text:
-            a, b = text.split("What is ")[1].split("?")[0].split(" plus ")
-            return chat.call_ids("add", f"{a} {b}")
-        return chat.answer_ids(text.split("<|tool|>")[-1].split("<|end|>")[0])
-    return lambda: ScriptedEngine(policy, vocab_size=512)
 
 
 def make_runner(model_dir, **kw):
