@@ -2,7 +2,7 @@
 job learns the lookup task on a multi-node ``ray.cluster_utils`` cluster; counts what was lost.
 
     python benchmarks/chaos.py --minutes 20 --seed 0 [--json out/chaos.json]
-    python benchmarks/chaos.py --smoke --json out/chaos_smoke.json      # 3 minutes (CI)
+    python benchmarks/chaos.py --smoke --json out/chaos_smoke.json      # 3 minutes, 15-30 s (CI)
     python benchmarks/chaos.py --minutes 5 --step-s 1.5 --policy-seed 1 --workdir .cache/rx
 
 The job (elastic, ``--cells`` cells, one worker node each, a head node without GPUs for the
@@ -252,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy-seed", type=int, default=1,
                    help="seed of the warm-started policy (--seed: the faults and the tasks)")
     args = p.parse_args(argv)
-    if args.smoke:             # CI: 3 minutes of faults, a job long enough to see several
-        args.minutes, args.step_s = 3.0, 1.5
+    if args.smoke:             # CI: 3 minutes, faults twice as dense (a quiet machine runs the
+        # job's steps faster than --step-s: ~2 minutes of it follow the first checkpoint)
+        args.minutes, args.step_s, args.gap_min, args.gap_max = 3.0, 1.5, 15.0, 30.0
     bad = set(args.kinds.split(",")) - set(KINDS)
     if bad or args.cells < 2 or not 0 < args.gap_min <= args.gap_max or args.minutes <= 0:
         p.error(f"--kinds among {KINDS} (got {sorted(bad)}), --cells >= 2, "

@@ -104,7 +104,7 @@ FROM_CHECKPOINT = textwrap.dedent("""
     restored = [algo.training_iteration, algo.policy_version]
     before = algo.get_state()["xlong"]
     saved = torch.load(os.path.join(out, "saved.pt"))
-    held = ray.get(algo._current_weights())     # a Learner loaded the DCP checkpoint
+    held = ray.get(algo._holder().get_weights.remote())  # a Learner loaded the DCP checkpoint
     same = all(torch.equal(held[k], v) for k, v in saved.items()) and held.keys() == saved.keys()
     r = algo.train()
     json.dump({"error": error, "restored": restored, "weights_equal": same,
