@@ -56,7 +56,7 @@ def make_config(root: str, workdir: str, *, cells: int, steps: int, seed: int, g
                 runs_per_group: int, checkpoint_every: int, policy_seed: int = 1):
     """The elastic job on the warm-started lookup policy (the local RL recipe)."""
     from ray_xlong.cells.config import CellJobConfig, LearnerSettings
-    from ray_xlong.cells.pool import CellLayout
+    from ray_xlong.cells.layout import CellLayout
     from ray_xlong.cells.task_job import TaskJob, warm_started_model_dir
     from ray_xlong.rllib.options import RECIPE_HARNESS, RECIPE_LR
     from ray_xlong.scheduling import SchedulingConfig

@@ -50,7 +50,7 @@ HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
 
 def make_config(root: str, *, cells: int, steps: int, seed: int, ranks_per_cell: int = 1):
     from ray_xlong.models import build_tiny_model_dir
-    from ray_xlong.cells.pool import CellLayout
+    from ray_xlong.cells.layout import CellLayout
     from ray_xlong.cells.config import CellJobConfig
     from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.cells.long_horizon_job import LongHorizonJob

@@ -151,7 +151,8 @@ def bench_pool(*, seed: int, mb: float, engines: int, repeats: int, bucket_mb: f
     from ray_xlong.cells.broadcast import BroadcastWeights
     from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.cells.long_horizon_job import LongHorizonJob
-    from ray_xlong.cells.pool import CellLayout, create_cells
+    from ray_xlong.cells.layout import CellLayout
+    from ray_xlong.cells.pool import create_cells
     from ray_xlong.cells.sharding import model_num_params
     from ray_xlong.rllib.cell_actors import cell_actors
     from ray_xlong.rllib.env_runner import RolloutConfig

@@ -12,7 +12,7 @@ import dataclasses
 
 from ray_xlong.cells.broadcast import SCHEMES
 from ray_xlong.cells.learner_settings import ATTENTIONS, DTYPES, LearnerSettings
-from ray_xlong.cells.pool import CellLayout
+from ray_xlong.cells.layout import CellLayout
 from ray_xlong.checks import check_int
 from ray_xlong.cells.long_horizon_job import LongHorizonJob
 from ray_xlong.cells.sharding import (ShardingSettings, check_model_fits, model_num_params,

@@ -27,20 +27,21 @@ with engine actors the ids found are the GPUs the ranks are pinned to. A role
 switch sleeps one actor and wakes the other; placement groups are never created after
 :func:`create_cells` (``CellPool.placement_groups_created`` counts them).
 
-:func:`check_layout` is pure: it validates a layout against node resources before anything is
-created and names the numbers when it cannot fit.
+The layout and its pure check are ``cells/layout.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ray_xlong.cells.layout import CellLayout, LayoutError, check_layout
 from ray_xlong.cells.ray_edge import actor_lost
 from ray_xlong.cells.sharded import BatchOf, ShardedCell, kill, start_sharded_cell
 from ray_xlong.cells.sharding import ShardingError, ShardingSettings, ranks_per_bundle
@@ -52,81 +53,6 @@ if TYPE_CHECKING:  # annotations only
     from ray_xlong.cells.learner_settings import LearnerSettings
     from ray_xlong.cells.engines import EngineLayout
     from ray_xlong.cells.protocols import Learner, Runner
-
-
-STRATEGIES = ("STRICT_SPREAD", "PACK", "SPREAD", "STRICT_PACK")
-
-
-class LayoutError(ValueError):
-    """The cell layout cannot be placed on the cluster (the message names the numbers)."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CellLayout:
-    """How cells map onto nodes."""
-
-    cells: int
-    """Number of cells."""
-    nodes_per_cell: int = 1
-    """Bundles (nodes) per cell."""
-    gpus_per_node: int = 1
-    """GPUs per bundle (logical GPUs on this machine)."""
-    cpus_per_bundle: float = 1.0
-    """CPUs per bundle (the runner and the learner take half each)."""
-    strategy: str = "STRICT_SPREAD"
-    """Placement strategy of a cell's bundles."""
-    learner_resource: str = "CPU"
-    """``CPU``, or a custom resource name the learner takes one unit of."""
-
-    def __post_init__(self) -> None:
-        for name in ("cells", "nodes_per_cell"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"CellLayout.{name} must be >= 1, got {getattr(self, name)!r}")
-        if self.gpus_per_node < 0 or not self.cpus_per_bundle > 0:
-            raise ValueError(f"CellLayout.gpus_per_node must be >= 0 and cpus_per_bundle > 0, "
-                             f"got {self.gpus_per_node!r}, {self.cpus_per_bundle!r}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"CellLayout.strategy must be one of {STRATEGIES}, "
-                             f"got {self.strategy!r}")
-        if self.learner_resource in ("GPU", ""):
-            raise ValueError("CellLayout.learner_resource must be 'CPU' or a custom resource "
-                             "(a learner asking for logical GPUs would try NCCL)")
-
-    def bundle(self) -> dict[str, float]:
-        """Resources of one bundle."""
-        out = {"CPU": self.cpus_per_bundle}
-        if self.gpus_per_node:
-            out["GPU"] = float(self.gpus_per_node)
-        if self.learner_resource != "CPU":
-            out[self.learner_resource] = 1.0
-        return out
-
-
-def check_layout(layout: CellLayout, nodes: Sequence[Mapping[str, float]]) -> None:
-    """Raise :class:`LayoutError` when ``layout`` cannot fit ``nodes`` (resource dicts).
-
-    A node holds ``min over resources ⌊node[r] / bundle[r]⌋`` bundles; STRICT_SPREAD needs
-    ``nodes_per_cell`` distinct nodes per cell.
-    """
-    need = layout.bundle()
-    fits = [min(int(n.get(r, 0.0) // v) for r, v in need.items()) for n in nodes]
-    total = layout.cells * layout.nodes_per_cell
-    spread = layout.strategy == "STRICT_SPREAD"
-    usable = sum(min(f, layout.cells) if spread else f for f in fits)
-    hosts = sum(1 for f in fits if f > 0)
-    if spread and hosts < layout.nodes_per_cell:
-        raise LayoutError(
-            f"CellLayout: STRICT_SPREAD cells of nodes_per_cell={layout.nodes_per_cell} need "
-            f"that many nodes with a free bundle {need} (gpus_per_node={layout.gpus_per_node}),"
-            f" the cluster has {hosts} of {len(nodes)}")
-    if usable < total:
-        raise LayoutError(
-            f"CellLayout: {layout.cells} cells × nodes_per_cell={layout.nodes_per_cell} = "
-            f"{total} bundles of {need} (gpus_per_node={layout.gpus_per_node}), the cluster's "
-            f"{len(nodes)} nodes hold {usable}")
-    if layout.strategy == "STRICT_PACK" and max(fits, default=0) < layout.nodes_per_cell:
-        raise LayoutError(f"CellLayout: STRICT_PACK puts {layout.nodes_per_cell} bundles of "
-                          f"{need} on one node; the largest node holds {max(fits, default=0)}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -310,12 +236,37 @@ def create_cells(layout: CellLayout, *, actors: CellActors,
     learners = [spawn(c, pg, "learner") for c, pg in enumerate(pgs)]   # first: the runner is
     cells = [Cell(c, pg, spawn(c, pg, "runner"), learners[c])          # pinned to their GPUs
              for c, pg in enumerate(pgs)]
-    ray.get([cell.learner.build.remote() for cell in cells])
-    ray.get([cell.runner.num_live_runs.remote() for cell in cells])
-    pool = CellPool(layout, cells, len(pgs), time.perf_counter() - t0, spawn=spawn)
+    pool = CellPool(layout, cells, len(pgs), 0.0, spawn=spawn)
+    _wait_up(pool, timeout_s=ready_timeout_s)
+    pool.startup_s = time.perf_counter() - t0
     pool.initial_state = cells[0].learner.get_xlong_state.remote()
     pool.initial_weights = cells[0].learner.get_weights.remote()
     return pool
+
+
+def _wait_up(pool: CellPool, *, timeout_s: float, attempts: int = 3) -> None:
+    """Wait until every learner is built and every runner answers. An actor lost on the way
+    (its node died while the cells were created: a node removed under a restarting driver) is
+    started again in its placement group, which Ray places again on an alive node, at most
+    ``attempts`` times (each new actor up within ``timeout_s``)."""
+    waits = {(c.index, w): c.learner.build.remote() if w == "learner"
+             else c.runner.num_live_runs.remote()
+             for c in pool.cells for w in ("learner", "runner")}
+    for (cell, which), ref in waits.items():
+        try:
+            ray.get(ref)
+            continue
+        except ray.exceptions.RayError as exc:
+            if not actor_lost(exc):
+                raise
+        for attempt in range(attempts):
+            try:
+                pool.replace(cell, which, timeout_s=timeout_s)
+                break
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                lost = isinstance(exc, TimeoutError) or actor_lost(exc)
+                if attempt == attempts - 1 or not lost:
+                    raise
 
 
 def _probe_cuda(pgs: Sequence[Any], layout: CellLayout, *, all_bundles: bool = False

@@ -52,7 +52,7 @@ def main() -> None:  # pragma: no cover - demo
     import ray
 
     from ray_xlong.models import build_tiny_model_dir
-    from ray_xlong.cells.pool import CellLayout
+    from ray_xlong.cells.layout import CellLayout
     from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.scheduling import SchedulingConfig
 

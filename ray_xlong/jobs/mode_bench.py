@@ -85,7 +85,7 @@ def build_config(size: dict, *, model_dir: str, seed: int, ranks_per_cell: int =
     from ray_xlong.cells.config import CellJobConfig, LearnerSettings
     from ray_xlong.cells.sharding import ShardingSettings
     from ray_xlong.cells.long_horizon_job import LongHorizonJob
-    from ray_xlong.cells.pool import CellLayout
+    from ray_xlong.cells.layout import CellLayout
     from ray_xlong.rollout import HarnessConfig
     from ray_xlong.rollout.tasks import LongHorizonConfig
     from ray_xlong.scheduling import SchedulingConfig

@@ -481,7 +481,7 @@ class XLongConfig(AlgorithmConfig):
 
     def job_config(self, *, group_offset: int):
         """The cell layer's job record (``ray_xlong.cells.config.XLongConfig``)."""
-        from ray_xlong.cells.pool import CellLayout
+        from ray_xlong.cells.layout import CellLayout
         from ray_xlong.cells.config import CellJobConfig
         from ray_xlong.cells.config import LearnerSettings
         from ray_xlong.cells.task_job import TaskJob

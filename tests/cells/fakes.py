@@ -532,7 +532,7 @@ def fake_config(tmp_path: Any, *, mode: str = "elastic", cells: int = 3, steps: 
     """A small ``CellJobConfig`` for fakes: ``steps`` steps of 2 groups × 2 runs, one run a
     micro-batch, a spool (and driver checkpoints) under ``tmp_path``."""
     from ray_xlong.cells.config import CellJobConfig, LearnerSettings
-    from ray_xlong.cells.pool import CellLayout
+    from ray_xlong.cells.layout import CellLayout
     from ray_xlong.scheduling import SchedulingConfig
 
     shape = dict(total_steps=steps, batch_groups=2, runs_per_group=2, staleness_bound=1) | job

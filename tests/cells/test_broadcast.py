@@ -19,7 +19,8 @@ from ray_xlong.cells.broadcast import SCHEMES
 from ray_xlong.cells.config import CellJobConfig, LearnerSettings, make_policy
 from ray_xlong.cells.cell_engines import replicated_engine_set
 from ray_xlong.cells.engines import EngineLayout
-from ray_xlong.cells.pool import CellLayout, create_cells
+from ray_xlong.cells.layout import CellLayout
+from ray_xlong.cells.pool import create_cells
 from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.scheduling import Role, SchedulingConfig
 

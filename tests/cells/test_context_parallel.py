@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from ray_xlong.cells.config import CellJobConfig, LearnerSettings
 from ray_xlong.cells.context_parallel import rank_share
-from ray_xlong.cells.pool import CellLayout
+from ray_xlong.cells.layout import CellLayout
 from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.models import TinyModelConfig, load_model, tiny_causal_lm
 from ray_xlong.scheduling import SchedulingConfig

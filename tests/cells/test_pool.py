@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_xlong.cells.pool import CellLayout, LayoutError, check_layout
+from ray_xlong.cells.layout import CellLayout, LayoutError, check_layout
 from ray_xlong.cells.config import MODES, CellJobConfig, make_policy
 from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.scheduling import SchedulingConfig

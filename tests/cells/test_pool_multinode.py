@@ -12,7 +12,8 @@ import tempfile
 import pytest
 
 from ray_xlong.models import build_tiny_model_dir
-from ray_xlong.cells.pool import CellLayout, LayoutError, create_cells
+from ray_xlong.cells.layout import CellLayout, LayoutError
+from ray_xlong.cells.pool import create_cells
 from ray_xlong.cells.config import CellJobConfig
 from ray_xlong.rllib.cell_actors import cell_actors
 from ray_xlong.jobs.driver import rollout_config, run_job, start_cells
@@ -86,3 +87,46 @@ def test_mode_keeps_the_cell_invariants(cluster, mode):
     print(mode, f"makespan {result.makespan_s:.2f}s", {k: round(v, 4) for k, v in t.items()})
     switches = result.timings.get("switch_s", ()) + result.timings.get("sync_s", ())
     assert switches and min(switches) > 0     # measured (reported by the benchmark, not asserted)
+
+
+def test_an_actor_lost_while_the_cells_start_is_started_again(cluster):
+    """``create_cells`` waits for every actor: one whose node died meanwhile (a node removed
+    under a restarting driver) is started again in its placement group; an error that is not
+    an actor loss is raised as it is."""
+    from ray_xlong.cells.pool import Cell, CellPool, _wait_up
+
+    ray, config, pool = cluster
+
+    @ray.remote(num_cpus=0)
+    class Part:
+        def __init__(self, fail: bool = False):
+            self.fail = fail
+
+        def build(self):
+            if self.fail:
+                raise ValueError("the model directory is gone")
+            return 0
+
+        def num_live_runs(self):
+            return 0
+
+    started = []
+
+    def spawn(index, pg, which):
+        started.append((index, which))
+        return Part.remote()
+
+    cells = [Cell(c.index, c.pg, Part.remote(), Part.remote()) for c in pool.cells[:2]]
+    lost_learner, lost_runner = cells[1].learner, cells[0].runner
+    ray.kill(lost_learner, no_restart=True)
+    ray.kill(lost_runner, no_restart=True)
+    parts = CellPool(config.layout, cells, 0, 0.0, spawn=spawn)
+    _wait_up(parts, timeout_s=60)
+    assert sorted(started) == [(0, "runner"), (1, "learner")] and parts.actors_replaced == 2
+    assert cells[1].learner is not lost_learner and cells[0].runner is not lost_runner
+    assert ray.get([cells[1].learner.build.remote(), cells[0].runner.num_live_runs.remote()]) \
+        == [0, 0]
+    broken = CellPool(config.layout, [Cell(0, pool.cells[0].pg, Part.remote(),
+                                           Part.remote(True))], 0, 0.0, spawn=spawn)
+    with pytest.raises(ray.exceptions.RayTaskError, match="model directory is gone"):
+        _wait_up(broken, timeout_s=60)

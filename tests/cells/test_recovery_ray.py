@@ -17,7 +17,7 @@ from ray_xlong.cells.config import CellJobConfig, LearnerSettings, make_policy
 from ray_xlong.cells.actuator import RayActuator
 from ray_xlong.cells.long_horizon_job import LongHorizonJob
 from ray_xlong.cells.metrics import check_invariants
-from ray_xlong.cells.pool import CellLayout
+from ray_xlong.cells.layout import CellLayout
 from ray_xlong.cells.runs import run_key
 from ray_xlong.cells.shard_checkpoint import latest
 from ray_xlong.models import build_tiny_model_dir

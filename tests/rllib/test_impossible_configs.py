@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ray_xlong.rllib.algorithm_config import XLongConfig, XLongOptions
-from ray_xlong.cells.pool import CellLayout
+from ray_xlong.cells.layout import CellLayout
 from ray_xlong.cells.config import CellJobConfig
 from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.scheduling import SchedulingConfig
