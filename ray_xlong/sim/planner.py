@@ -77,6 +77,13 @@ class PlanRecord:
     """The candidate followed from now on."""
     wall_s: float
     """Driver wall seconds the plan took (every candidate's simulation)."""
+    reason: str = "due"
+    """Why it was made: ``start`` (the prior, at job start), ``due`` (a step boundary with the
+    estimates moved, or ``replan_steps`` since the last), ``late`` (the live job fell behind
+    the followed plan's predicted step ends, :attr:`PlannedPolicy.divergence`)."""
+    expected: tuple[float, ...] = ()
+    """The followed candidate's predicted step ends (job time, log unit): the prediction the
+    live job is held to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +116,11 @@ class PlannedPolicy:
     """Re-plan at a step boundary when the mean run length or training cost moved this much."""
     hysteresis: float = 0.01
     """Leave the followed plan only for one predicted this much faster."""
+    divergence: float = 1.0
+    """Re-plan, at any decision with no step in progress, when the next step is late on the
+    followed plan's prediction by more than this many times the step's predicted length (the
+    estimates behind the plan no longer describe the job: runs grew longer than any seen). 0:
+    never (plan at step boundaries only)."""
     plan_batch: int = 8
     """Plan at a reduced scale: at least this many groups a step (and 16 slots a cell)."""
     costs: PlanCosts = PlanCosts()
@@ -170,17 +182,35 @@ class PlannedPolicy:
             self.live.group_size = state.config.runs_per_group
         boundary = state.step < 0 and not state.done
         if boundary and not self.plans and self.prior is not None:
-            self.plan(state, self.prior)
+            self.plan(state, self.prior, reason="start")
             self.seen_version = state.version
         elif boundary and state.version != self.seen_version:
             self.seen_version = state.version
             est = self._due(state)
             if est is not None:
                 self.plan(state, est)
+        elif boundary and self._late(state):
+            est = self._due(state, late=True)
+            if est is not None:
+                self.plan(state, est, reason="late")
         return self.current.decide(state, event)
 
-    def _due(self, state: ClusterState) -> JobEstimates | None:
-        """The estimates to plan with now, or None (no plan due)."""
+    def _late(self, state: ClusterState) -> bool:
+        """The next step is late on the followed plan's prediction by more than
+        :attr:`divergence` × its predicted length."""
+        if not self.divergence or not self.plans:
+            return False
+        last = self.plans[-1]
+        k = state.version - last.version  # steps ended since the plan
+        if k >= len(last.expected):
+            return False
+        due = last.expected[k]
+        length = due - (last.expected[k - 1] if k else last.time)
+        return state.time > due + self.divergence * max(length, 0.0)
+
+    def _due(self, state: ClusterState, *, late: bool = False) -> JobEstimates | None:
+        """The estimates to plan with now, or None (no plan due; ``late``: the live job
+        departs from the plan, so a plan is due whenever the estimates and budget allow)."""
         est = self.estimator.estimates(state.time, state.config.batch_groups,
                                        min_steps=self.min_steps)
         if est is None:
@@ -189,15 +219,17 @@ class PlannedPolicy:
         if budget is not None and self.spent_wall >= budget * (
                 time.perf_counter() - (self.started_wall or time.perf_counter())):
             return None
-        if self.basis is None or not self.plans:
+        if self.basis is None or not self.plans or late:
             return est
         due = est.moved(self.basis, self.tolerance) or \
             state.version - self.plans[-1].version >= self.replan_steps
         return est if due else None
 
-    def plan(self, state: ClusterState, est: JobEstimates | None = None) -> PlanRecord:
+    def plan(self, state: ClusterState, est: JobEstimates | None = None, *,
+             reason: str = "due") -> PlanRecord:
         """Simulate every candidate over the remaining work, from the live state; follow the
-        best. ``est``: the estimates to plan with (default: the learned ones)."""
+        best. ``est``: the estimates to plan with (default: the learned ones); ``reason``:
+        recorded (:attr:`PlanRecord.reason`)."""
         t0 = time.perf_counter()
         if est is None:
             est = self.estimator.estimates(state.time, state.config.batch_groups, min_steps=1)
@@ -206,6 +238,7 @@ class PlannedPolicy:
         job, cluster, costs, workload, start = self._remaining(state, est)
         predicted: dict[str, float] = {}
         policies: dict[str, Policy] = {}
+        ends: dict[str, tuple[float, ...]] = {}
         per_group = workload.group_tokens(0)  # planning units: cell-time a group of the job
         for label, make in candidates(est, per_group, cluster, job).items():
             policy = make(per_group)
@@ -215,13 +248,17 @@ class PlannedPolicy:
             except SimulationStalled:
                 continue
             predicted[label], policies[label] = result.makespan_h, make(est.train_per_group)
+            ends[label] = tuple(state.time + e.time for e in result.events
+                                if e.kind == "step_ended")
         best = min(predicted, key=predicted.get, default=self.current_label)
+        hysteresis = 0.0 if reason == "late" else self.hysteresis  # its basis proved wrong
         keep = best == self.current_label or (self.current_label in predicted and (
-            predicted[self.current_label] <= predicted[best] * (1 + self.hysteresis)))
+            predicted[self.current_label] <= predicted[best] * (1 + hysteresis)))
         if not keep or not self.plans:
             self.current, self.current_label = policies[best], best
         record = PlanRecord(time=state.time, version=state.version, predicted=predicted,
-                            chosen=self.current_label, wall_s=time.perf_counter() - t0)
+                            chosen=self.current_label, wall_s=time.perf_counter() - t0,
+                            reason=reason, expected=ends.get(self.current_label, ()))
         self.spent_wall += record.wall_s
         self.plans.append(record)
         self.basis = est
