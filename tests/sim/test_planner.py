@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -215,7 +216,7 @@ def test_a_plan_the_live_job_falls_behind_is_replaced_before_the_next_step():
     assert "late" not in {p.reason for p in held}
     assert len({p.version for p in held}) == len(held)
     watched = plans(1.0)
-    late = [(before, p) for before, p in zip(watched, watched[1:]) if p.reason == "late"]
+    late = [(before, p) for before, p in itertools.pairwise(watched) if p.reason == "late"]
     assert late, [(p.reason, p.version, p.time) for p in watched]
     for before, p in late:
         k = p.version - before.version  # steps ended since the plan it replaces
