@@ -117,10 +117,12 @@ class PlannedPolicy:
     hysteresis: float = 0.01
     """Leave the followed plan only for one predicted this much faster."""
     divergence: float = 1.0
-    """Re-plan, at any decision with no step in progress, when the next step is late on the
-    followed plan's prediction by more than this many times the step's predicted length (the
-    estimates behind the plan no longer describe the job: runs grew longer than any seen). 0:
-    never (plan at step boundaries only)."""
+    """Re-plan, at any decision with no step in progress, when the live job falls behind the
+    followed plan: the next step has not ended although the time since the plan is (1 +
+    divergence) × the time the plan predicted for it (the estimates behind the plan no longer
+    describe the job: runs grew longer than any seen). Relative to the whole predicted span,
+    so that the phase of a bursty step rhythm does not count. 0: never (plan at step
+    boundaries only)."""
     plan_batch: int = 8
     """Plan at a reduced scale: at least this many groups a step (and 16 slots a cell)."""
     costs: PlanCosts = PlanCosts()
@@ -196,17 +198,15 @@ class PlannedPolicy:
         return self.current.decide(state, event)
 
     def _late(self, state: ClusterState) -> bool:
-        """The next step is late on the followed plan's prediction by more than
-        :attr:`divergence` × its predicted length."""
+        """The next step is late on the followed plan's prediction: the time since the plan
+        exceeds the predicted time to that step by more than :attr:`divergence` (relative)."""
         if not self.divergence or not self.plans:
             return False
         last = self.plans[-1]
         k = state.version - last.version  # steps ended since the plan
         if k >= len(last.expected):
             return False
-        due = last.expected[k]
-        length = due - (last.expected[k - 1] if k else last.time)
-        return state.time > due + self.divergence * max(length, 0.0)
+        return state.time - last.time > (1 + self.divergence) * (last.expected[k] - last.time)
 
     def _due(self, state: ClusterState, *, late: bool = False) -> JobEstimates | None:
         """The estimates to plan with now, or None (no plan due; ``late``: the live job
