@@ -18,7 +18,8 @@ job start (with a prior) / step boundary, estimates moved (or every `replan_step
     follow the candidate with the shortest predicted makespan (kept unless another is
     `hysteresis` better); its simulated step ends are the prediction the job is held to
 no step in progress, the next step late: time since the plan > (1 + `divergence`) × the time
-    predicted for it ──► plan again now, with the estimates of now, no hysteresis
+    predicted for it ──► plan again now, with the estimates of now (one that keeps the
+    followed candidate leaves the step-boundary schedule as it was)
 every decision ──► the followed candidate's decide(snapshot, event)
 ```
 
@@ -143,7 +144,10 @@ class PlannedPolicy:
     plans: list[PlanRecord] = field(default_factory=list)
     """Every plan made."""
     basis: JobEstimates | None = None
-    """The estimates of the last plan."""
+    """The estimates of the last plan that set the step-boundary schedule (every plan but a
+    late one that kept the followed candidate)."""
+    basis_version: int = 0
+    """Its version (``replan_steps`` count from it)."""
     seen_version: int = 0
     """Version of the last decision (a new one is a step boundary)."""
     prior: JobEstimates | None = None
@@ -224,7 +228,7 @@ class PlannedPolicy:
         if self.basis is None or not self.plans or late:
             return est
         due = est.moved(self.basis, self.tolerance) or \
-            state.version - self.plans[-1].version >= self.replan_steps
+            state.version - self.basis_version >= self.replan_steps
         return est if due else None
 
     def plan(self, state: ClusterState, est: JobEstimates | None = None, *,
@@ -253,9 +257,8 @@ class PlannedPolicy:
             ends[label] = tuple(state.time + e.time for e in result.events
                                 if e.kind == "step_ended")
         best = min(predicted, key=predicted.get, default=self.current_label)
-        hysteresis = 0.0 if reason == "late" else self.hysteresis  # its basis proved wrong
         keep = best == self.current_label or (self.current_label in predicted and (
-            predicted[self.current_label] <= predicted[best] * (1 + hysteresis)))
+            predicted[self.current_label] <= predicted[best] * (1 + self.hysteresis)))
         if not keep or not self.plans:
             self.current, self.current_label = policies[best], best
         record = PlanRecord(time=state.time, version=state.version, predicted=predicted,
@@ -263,7 +266,8 @@ class PlannedPolicy:
                             reason=reason, expected=ends.get(self.current_label, ()))
         self.spent_wall += record.wall_s
         self.plans.append(record)
-        self.basis = est
+        if reason != "late" or not keep:  # a late plan that confirms the followed one
+            self.basis, self.basis_version = est, state.version  # leaves the schedule be
         return record
 
     def observe(self, events) -> None:
@@ -358,5 +362,5 @@ def with_costs(policy: PlannedPolicy, costs: PlanCosts) -> PlannedPolicy:
     """The same policy settings with other operator-given costs (a fresh state)."""
     return dataclasses.replace(policy, costs=costs, estimator=EventEstimator(),
                                current=ColocatedPolicy(), current_label="colocated", plans=[],
-                               basis=None, seen_version=0, live=LiveJob(), started_wall=None,
+                               basis=None, basis_version=0, seen_version=0, live=LiveJob(), started_wall=None,
                                spent_wall=0.0)
