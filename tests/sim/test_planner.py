@@ -230,3 +230,25 @@ def test_a_plan_the_live_job_falls_behind_is_checked_before_the_next_step():
     due = [(p.reason, p.version, p.chosen) for p in watched if p.reason != "late"]
     assert due == [(p.reason, p.version, p.chosen) for p in held]
     assert watched_h == held_h
+
+
+@pytest.mark.slow
+def test_paper_shift_at_16_cells_leaves_the_first_halfs_split_before_the_next_step():
+    # issue 28's one miss: the plan due at step 24 (first-half estimates) follows a fixed split
+    # into the second half's long runs; step 25 comes 9.5 h later. A late plan moves to an
+    # adaptive plan before step 25, and the job ends within 2% of elastic and colocated
+    from ray_xlong.sim.modes import preset_planner, preset_workload, simulate_preset
+    from ray_xlong.sim.presets import get_preset
+
+    shift = get_preset("paper-2.4t-shift")  # the sweep's 16-cell point
+    preset = dataclasses.replace(shift, async_rollout_cells=6,
+                                 cluster=dataclasses.replace(shift.cluster, cells=16))
+    work = preset_workload(preset, seed=0)
+    policy = preset_planner(preset)
+    planned = simulate_preset(preset, policy, seed=0, workload=work).makespan_h
+    switched = [p for before, p in itertools.pairwise(policy.plans)
+                if p.reason == "late" and p.chosen != before.chosen]
+    assert switched and switched[0].version == 24 and not switched[0].chosen.startswith("split")
+    best = min(simulate_preset(preset, mode, seed=0, workload=work).makespan_h
+               for mode in (ElasticPolicy(), ColocatedPolicy()))
+    assert planned <= best * 1.02, (planned, best)
