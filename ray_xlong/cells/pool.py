@@ -229,8 +229,9 @@ def create_cells(layout: CellLayout, *, actors: CellActors,
             try:         # a replaced learner on a lost node: keep the pin, replace() times out
                 pins[index] = ",".join(learner_gpu_ids(actor, layout, actors,
                                                        timeout_s=ready_timeout_s))
-            except ray.exceptions.GetTimeoutError:
-                pass
+            except ray.exceptions.RayError as exc:   # or it died with its node: _wait_up
+                if not (isinstance(exc, ray.exceptions.GetTimeoutError) or actor_lost(exc)):
+                    raise
         return actor
 
     learners = [spawn(c, pg, "learner") for c, pg in enumerate(pgs)]   # first: the runner is
