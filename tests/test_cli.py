@@ -73,15 +73,16 @@ def test_bench_sim_prints_ratios_vs_elastic_and_writes_json(tmp_path, capsys):
 @pytest.mark.ray
 @pytest.mark.benchmark
 def test_bench_on_ray_cells_and_timeline_of_the_driver_event_log(tmp_path, capsys):
-    """Tiny budget: every mode on real Ray cells beside the simulator; the Ray driver's event
-    log (written as JSONL) draws through ``timeline`` like the simulator's."""
+    """Tiny budget: elastic and forecast on real Ray cells beside the simulator (every paper
+    mode on cells: the modes_ray benchmark's smoke run); the Ray driver's event log (written as
+    JSONL) draws through ``timeline`` like the simulator's."""
     out, events = tmp_path / "bench.json", tmp_path / "ev"
-    assert main(["bench", "--backend", "ray", "--size", "smoke", "--forecast", "--json",
-                 str(out), "--events-dir", str(events)]) == 0
+    assert main(["bench", "--backend", "ray", "--size", "smoke", "--modes", "elastic",
+                 "--forecast", "--json", str(out), "--events-dir", str(events)]) == 0
     assert "| mode | makespan s | sim s |" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["backend"] == "ray"
-    assert set(data["modes"]) == {"colocated", "async", "elastic", "forecast"}
+    assert set(data["modes"]) == {"elastic", "forecast"}
     for row in data["modes"].values():
         assert row["violations"] == [] and row["makespan_s"] > 0 and row["vs_elastic"] > 0
     ray_log = from_jsonl((events / "elastic.jsonl").read_text())

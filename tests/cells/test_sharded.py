@@ -50,9 +50,9 @@ def start_cells(model_dir: str, n: int, *, ranks: int = 2, user=None, cp: int = 
 
 
 SCHEDULES = [
-    pytest.param(1, [lambda i: 0, lambda i: 0], 1, id="one-2-rank-cell"),
     # step 0: cell 0 alone, cell 1 joins at micro-batch 2; step 1: cell 1 alone (it must
-    # hold the step-0 weights and Adam state), two streamed chunks per step.
+    # hold the step-0 weights and Adam state), two streamed chunks per step. A 2-rank cell
+    # training a step alone (step 1) is part of it: no schedule of one cell on its own.
     pytest.param(2, [lambda i: 0 if i < 2 else 1, lambda i: 1], 2, id="2x2-ranks-join"),
 ]
 CONTEXT_PARALLEL = [pytest.param(1, id="rows"), pytest.param(2, id="context-parallel")]
@@ -96,11 +96,13 @@ def test_rank_rows_cover_every_row_once_and_pad_an_idle_rank():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", CONTEXT_PARALLEL)
-def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir, cp, monkeypatch):
+def test_a_rank_lost_mid_step_redoes_the_cells_share(ray_local, model_dir, monkeypatch):
     """Rank 1 of cell 1 dies between micro-batches: the cell's next call fails as an actor loss
     (``actor_lost``), a new 2-rank cell takes its place, the micro-batches the dead cell held go
-    to the queue again, and both steps end on the plain-torch weights."""
+    to the queue again, and both steps end on the plain-torch weights. Context-parallel cells
+    (the partition of rows over ranks is exact on its own above; a rank lost inside a sharded
+    job's step with rows over ranks: tests/tools/test_faults.py)."""
+    cp = 2
     from ray_xlong.cells.learner_group import actor_lost
 
     monkeypatch.setattr(lg, "MICRO_TOKENS", WIDE_MICRO_TOKENS)
