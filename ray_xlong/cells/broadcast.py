@@ -35,6 +35,7 @@ belongs (not written).
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from typing import Any, Sequence
 
 import ray
@@ -77,13 +78,15 @@ class BroadcastWeights:
                                    datetime.timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
         self.port = self.store.port
+        self.epoch = f"{self.port}-{secrets.token_hex(3)}"
+        """Names this store's groups apart from an earlier driver's on the same cells."""
         self.generation = 0
         self.failures = 0
         self.groups_made: set[str] = set()
 
     def key(self, pool: Any, sender: int, targets: Sequence[int]) -> str:
         gen = self.generation + pool.actors_replaced
-        return f"{gen}/s{sender}/t{'.'.join(map(str, targets))}"
+        return f"{gen}/{self.epoch}/s{sender}/t{'.'.join(map(str, targets))}"
 
     def push(self, pool: Any, *, sender: int | None, targets: Sequence[int], version: int,
              weights_ref: Any) -> PushOutcome:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import secrets
 from typing import Any, Mapping
 
 import torch
@@ -128,6 +129,10 @@ class PeerGroups:
         self.store = dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=timeout_s),
                                    wait_for_workers=False)
         self.port = self.store.port
+        self.epoch = f"{self.port}-{secrets.token_hex(3)}"
+        """Names this store's groups apart from any earlier store's: members keep their groups
+        past a driver (a new actuator on the same cells, as the mode benchmarks run one after
+        another), and a key issued again would find a group on a closed store."""
         self.keys: collections.OrderedDict[tuple[str, tuple[int, ...]], str] = \
             collections.OrderedDict()
         self.made = 0
@@ -142,7 +147,7 @@ class PeerGroups:
             self.keys.move_to_end(name)
         else:
             self.made += 1
-            self.keys[name] = f"0/{kind}/{self.made}/{'.'.join(map(str, cells))}"
+            self.keys[name] = f"0/{kind}/{self.epoch}.{self.made}/{'.'.join(map(str, cells))}"
             while len(self.keys) > self.limit:
                 self.keys.popitem(last=False)
         key = self.keys[name]

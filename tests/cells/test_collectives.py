@@ -123,6 +123,15 @@ def test_keys_are_reused_per_set_bounded_and_renewed_after_a_failure():
     assert peers.groups("reduce", (1, 2))[1].key != again and peers.failures == 1
 
 
+def test_a_new_driver_never_issues_a_key_of_an_earlier_one():
+    """Members keep their groups past a driver (the mode benchmarks run one actuator after
+    another on the same cells): a key issued again would find a group on a closed store."""
+    first, second = PeerGroups(host="127.0.0.1"), PeerGroups(host="127.0.0.1")
+    for kind, cells in (("state", (0, 2)), ("reduce", (0, 1))):
+        assert first.groups(kind, cells)[0].key != second.groups(kind, cells)[0].key
+    assert first.groups("state", (0, 2))[0].key.startswith("0/")    # generation 0
+
+
 def test_a_members_groups_stay_within_its_limit_least_recent_out():
     store = PeerGroups(host="127.0.0.1")                     # its TCPStore hosts them
     groups = SyncGroups(limit=2)
