@@ -280,6 +280,10 @@ class Recovery:
                 s.chain.pop(cell, None)
             except TimeoutError:
                 continue
+            except s.ray.Error as exc:     # the state's holder died meanwhile (a node removed
+                if not s.ray.lost(exc):    # before Ray marked it dead): try on a later tick
+                    raise
+                continue
             s.ray.get(runner.resume.remote(s.learners.weights_ref, s.learners.version))
             self.retired.discard(cell)
             s.m.rebuild_cell(cell, s.now())
