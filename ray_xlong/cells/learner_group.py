@@ -164,6 +164,9 @@ class ElasticLearnerGroup:
         """``(version, state ref)`` of an object-store copy, the fallback of :attr:`state_ref`
         when no live learner holds that version."""
         self._weights: tuple[int, Any] | None = None
+        self._made_on: dict[str, int | None] = {"kept": None, "weights": None}
+        """The cell whose node stores the ``kept`` / weights copy (None: the driver's store or
+        unknown): a copy lives in its maker's node's object store and is lost with that node."""
         self.learner_version = [self.version] * len(learners)
         self.members: list[int] = []
         self.held: dict[int, list[MicroBatch]] = {}
@@ -195,6 +198,7 @@ class ElasticLearnerGroup:
             state = self.state_source(self.version)
             self.kept = (self.version, self.ray.put(dict(state))
                          if isinstance(state, Mapping) else state)
+            self._made_on["kept"] = None if isinstance(state, Mapping) else self.lead
         return self.kept[1]
 
     @property
@@ -209,6 +213,7 @@ class ElasticLearnerGroup:
             else:   # no learner holds it: the recovery path, from the kept / reloaded state
                 ref = self.ray.put(self.ray.get(self.state_ref)["weights"])
             self._weights = (self.version, ref)
+            self._made_on["weights"] = holder
         return self._weights[1]
 
     def reloaded(self, cell: int, learner: Any, version: int) -> None:
@@ -218,6 +223,16 @@ class ElasticLearnerGroup:
         self.learner_version[cell] = version
         self.lead = cell
         self._weights = None
+
+    def node_lost(self, cell: int) -> None:
+        """``cell``'s node is gone, and with it every object its Learner made there: the kept
+        state and the weights copy it made are forgotten (made again from a live holder, else
+        from ``state_source``, when next asked for). Without this a retired cell's rebuild
+        loads a lost object forever."""
+        if self.kept is not None and self._made_on["kept"] == cell:
+            self.kept = None
+        if self._weights is not None and self._made_on["weights"] == cell:
+            self._weights = None
 
     def _live_holder(self) -> int | None:
         """A cell whose learner holds the current version and is alive (idle ones and the lead
@@ -350,6 +365,7 @@ class ElasticLearnerGroup:
             lead = self.learners[done[0]]
             self.kept = (new, lead.get_xlong_state.remote())
             self._weights = (new, lead.get_weights.remote())
+            self._made_on = {"kept": done[0], "weights": done[0]}
             self.ray.wait([self.kept[1], self._weights[1]], num_returns=2, timeout=None)
         return dead
 

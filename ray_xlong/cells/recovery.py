@@ -41,6 +41,7 @@ from ray_xlong.scheduling import Event, Role
 
 RUNNER_KINDS = ("ended", "started", "sync", "switch")  # pending kinds a runner death voids
 LEARNER_KINDS = ("micro", "switch", "sync")  # pending kinds a learner death invalidates
+REBUILD_TRIES = 3  # a returned node's cell whose state load is lost this often fails the job
 
 
 class Recovery:
@@ -54,6 +55,8 @@ class Recovery:
 
     def __init__(self, state: JobState, actions: JobActions) -> None:
         self.state, self.actions = state, actions
+        self.lost_rebuilds: dict[int, int] = {}
+        """Per retired cell, rebuilds whose state load was lost (:meth:`check_retired`)."""
 
     @property
     def records(self) -> list[FaultRecord]:
@@ -236,6 +239,7 @@ class Recovery:
         helper = self._helper(cell)
         spooled = self.from_spool(cell, s.cells[helper].runner, payload_cell=helper)
         s.pool.stop_actors(cell)  # a survivor on another node must not run on
+        s.learners.node_lost(cell)  # the state / weights copies its Learner made are gone
         s.chain.pop(cell, None)
         try:
             orphans = s.m.retire_cell(cell, s.now())
@@ -281,11 +285,17 @@ class Recovery:
             except TimeoutError:
                 continue
             except s.ray.Error as exc:     # the state's holder died meanwhile (a node removed
-                if not s.ray.lost(exc):    # before Ray marked it dead): try on a later tick
-                    raise
+                if not s.ray.lost(exc):    # before Ray marked it dead): try on a later tick,
+                    raise                  # a bounded number of times
+                self.lost_rebuilds[cell] = self.lost_rebuilds.get(cell, 0) + 1
+                if self.lost_rebuilds[cell] >= REBUILD_TRIES:
+                    raise CellActorDied(f"cell {cell}: its node returned, but loading the state "
+                                        f"into its new Learner failed {REBUILD_TRIES} times: "
+                                        f"{exc}") from exc
                 continue
             s.ray.get(runner.resume.remote(s.learners.weights_ref, s.learners.version))
             self.retired.discard(cell)
+            self.lost_rebuilds.pop(cell, None)
             s.m.rebuild_cell(cell, s.now())
             self.actions.watch_runs(cell)
             self._record("node_returned", cell, start, t0)

@@ -221,3 +221,36 @@ def test_the_state_lost_without_a_checkpoint_fails_loudly(tmp_path):
     act.injector = OnceWhen(lose_every_holder)
     with pytest.raises(CellActorDied, match="no checkpoint to reload"):
         act.run()
+
+
+def test_the_node_of_the_only_holder_lost_reloads_instead_of_loading_its_lost_copy(tmp_path):
+    """A step with one member leaves its state in that member's node's object store (the
+    group's kept copy and weights). That node lost and back: the rebuilt cell must not load the
+    lost copy (forever: a hung job in CI) but the last checkpoint, replaying the steps since."""
+    job = FakeJob.make(fake_config(tmp_path, cells=2, checkpoint=True, steps=5))
+    act = job.actuator()
+    s = act.state
+
+    def lose_the_only_holder(a):
+        g = a.learners
+        if g is None or g.version < 2 or s.checkpoint_ref is None:
+            return None
+        holders = a.recovery.holders()
+        if len(holders) != 1 or g.kept is None or g.kept[0] != g.version:
+            return None
+        s.ray.get(s.checkpoint_ref)
+        job.pool.lose_node(holders[0])
+        return holders[0]
+
+    def restore(a):
+        if act.injector.ticks_after == 5:
+            job.pool.restore_node(act.injector.fired)
+
+    act.injector = OnceWhen(lose_the_only_holder, then=restore)
+    result = act.run()
+    assert act.injector.fired is not None, "no step ended with one holder and a checkpoint"
+    cell = act.injector.fired
+    assert [f.kind for f in result.faults if f.cell == cell][:1] == ["node"]
+    assert "node_returned" in [f.kind for f in result.faults if f.cell == cell]
+    assert any(f.kind == "state" and "reloaded version" in f.why for f in result.faults)
+    audit(job, result)
