@@ -16,7 +16,8 @@ what is timed is the environment side only:
 
 Per template and side: the median cost (process CPU time; wall time in the JSON, which also
 counts waiting for a core) of the 20 calls ending at calls 10, 100, 400 and 1,000 (those ≤
-``--calls``), the ratio last / call 10 (goal ≤ 2), and, side by side, the exact rule
+``--calls``), the median of ``--repeats`` runs (3: a burst of load on one run moves it less),
+the ratio last / call 10 (goal ≤ 2), and, side by side, the exact rule
 (the whole conversation rendered each call, ``DeltaChecks(windowed=False)``) up to
 ``--exact-calls`` calls. ``delta_stats`` are the format's counters (windowed, exact, checked,
 mismatches, unproven).
@@ -200,23 +201,33 @@ def at_points(costs: list[float]) -> dict[int, float]:
     return {p: float(np.median(costs[max(0, p - 20):p])) for p in POINTS if p <= len(costs)}
 
 
-def run(*, calls: int, exact_calls: int, chars: int) -> dict:
+def _median_points(runs: list[dict[int, float]]) -> dict[int, float]:
+    """Per point, the median over repeated runs (a burst of load on one run moves it less)."""
+    return {p: float(np.median([r[p] for r in runs])) for p in runs[0]}
+
+
+def run(*, calls: int, exact_calls: int, chars: int, repeats: int = 1) -> dict:
     rows = []
     for style in TEMPLATES if calls > 0 else ():
         for side, measure in (("harness", harness_costs), ("endpoint", endpoint_costs)):
             for rule, n in (("windowed", calls), ("exact", min(exact_calls, calls))):
                 if n < 1:
                     continue
-                costs, stats = measure(style, n, chars, windowed=rule == "windowed")
-                cpu, wall = at_points([c for c, _ in costs]), at_points([w for _, w in costs])
+                reps = [measure(style, n, chars, windowed=rule == "windowed")
+                        for _ in range(repeats)]
+                costs, stats = reps[-1]
+                cpu = _median_points([at_points([c for c, _ in r]) for r, _ in reps])
+                wall = _median_points([at_points([w for _, w in r]) for r, _ in reps])
                 first, last = cpu.get(10), cpu[max(cpu)] if cpu else None
                 rows.append({"template": style, "side": side, "rule": rule, "calls": n,
                              "ms_at": {str(p): round(v * 1e3, 3) for p, v in cpu.items()},
                              "wall_ms_at": {str(p): round(v * 1e3, 3) for p, v in wall.items()},
                              "ratio_last_vs_10": round(last / first, 2) if first else None,
-                             "mean_ms": round(float(np.mean([c for c, _ in costs])) * 1e3, 3),
+                             "mean_ms": round(float(np.mean([c for r, _ in reps
+                                                             for c, _ in r])) * 1e3, 3),
+                             "repeats": repeats,
                              "delta_stats": stats})
-    return {"calls": calls, "result_chars": chars, "rows": rows}
+    return {"calls": calls, "result_chars": chars, "repeats": repeats, "rows": rows}
 
 
 def long_horizon_row(steps: int, *, seed: int, work: str):
@@ -328,8 +339,9 @@ def show(result: dict) -> None:
               f"max rel Δ grad {t['max_rel_grad_diff']:.2e}")
     if not result["rows"]:
         return
-    print(f"environment side per call, CPU ms (median of the 20 calls ending at call N; "
-          f"{result['result_chars']}-character tool results; wall ms in the JSON)")
+    print(f"environment side per call, CPU ms (median of the 20 calls ending at call N, median "
+          f"of {result.get('repeats', 1)} runs; {result['result_chars']}-character tool results;"
+          f" wall ms in the JSON)")
     print("| template | side | rule | " + " | ".join(f"call {p}" for p in POINTS)
           + " | last / call 10 | context tokens at the last call | delta stats |")
     print("|---|---|---|" + "---:|" * len(POINTS) + "---:|---:|---|")
@@ -347,13 +359,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--exact-calls", type=int, default=100,
                         help="calls of the exact rule (side by side; O(n^2) per run)")
     parser.add_argument("--result-chars", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per template, side and rule; each point is their median")
     parser.add_argument("--train-steps", type=int, default=0,
                         help="also one long_horizon run of this many steps, trained on 1 and 2 "
                              "context-parallel ranks (0: not)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.calls, args.exact_calls = min(args.calls, 12), min(args.exact_calls, 12)
-    result = run(calls=args.calls, exact_calls=args.exact_calls, chars=args.result_chars)
+        args.repeats = 1
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    result = run(calls=args.calls, exact_calls=args.exact_calls, chars=args.result_chars,
+                 repeats=args.repeats)
     if args.train_steps:
         result["train"] = train_long_run(args.train_steps, seed=args.seed)
     return finish(result, show=show, json_path=args.json)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ray_xlong.trajectory.records import append_only
+
 
 class ContextFull(RuntimeError):
     """Appending would pass the context's capacity."""
@@ -26,6 +28,7 @@ class Context:
         if prefix.size > capacity:
             raise ContextFull(f"prompt of {prefix.size} tokens exceeds capacity {capacity}")
         self.buf = np.zeros(capacity, dtype=np.int64)
+        append_only(self.buf)      # calls' range checks scan only what was appended since
         self.n = 0
         self.append(prefix)
 

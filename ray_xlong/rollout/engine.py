@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ray_xlong.checks import check_int
+from ray_xlong.trajectory.records import id_range
 
 
 class EngineError(RuntimeError):
@@ -129,7 +130,8 @@ def check_input_ids(input_ids: object, *, vocab_size: int) -> np.ndarray:
     if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
         raise ValueError(f"input_ids must be a non-empty 1-D integer array, got "
                          f"shape {arr.shape} dtype {arr.dtype}")
-    if arr.min() < 0 or arr.max() >= vocab_size:
+    lo, hi = id_range(arr)        # a context's prefix view: only its new ids are scanned
+    if (lo < 0 or hi >= vocab_size) and (arr.min() < 0 or arr.max() >= vocab_size):
         raise ValueError(f"input_ids must lie in [0, {vocab_size}), got "
                          f"[{int(arr.min())}, {int(arr.max())}]")
     return arr.astype(np.int64, copy=False)

@@ -33,6 +33,7 @@ from ray_xlong.rollout.chat import ChatFormatError
 from ray_xlong.rollout.template_delta import Seen, take_delta
 from ray_xlong.rollout.template_format import TemplateFormat
 from ray_xlong.serving.messages import normalize, render_message
+from ray_xlong.trajectory.records import append_only
 
 
 class IdBuffer:
@@ -49,6 +50,7 @@ class IdBuffer:
         self.buf = np.empty(max(1024, 2 * len(ids)), np.int64)
         self.buf[:len(ids)] = ids
         self.end = len(ids)
+        append_only(self.buf)
 
     def view(self) -> np.ndarray:
         out = self.buf[:self.end]
@@ -62,6 +64,7 @@ class IdBuffer:
         if self.end + len(new) > len(self.buf):
             grown = np.empty(max(2 * len(self.buf), self.end + len(new)), np.int64)
             grown[:self.end] = self.buf[:self.end]
+            append_only(grown, grown_from=self.buf)
             self.buf = grown                  # old views keep the old array (never written)
         self.buf[self.end:self.end + len(new)] = new
         self.end += len(new)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Literal, Sequence
 
 import numpy as np
@@ -94,9 +95,51 @@ def as_token_array(ids: object, *, field: str, where: str, allow_empty: bool,
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
+# -- append-only buffers: a context's range check costs its new ids, not the whole context -----
+_SCANNED: dict[int, list] = {}
+"""``id(buffer)`` → ``[ids scanned from its start, their min, their max]`` for buffers declared
+append-only (:func:`append_only`)."""
+
+
+def append_only(buf: np.ndarray, *, grown_from: np.ndarray | None = None) -> None:
+    """Declare ``buf`` append-only: ids below a position once read are never rewritten (the
+    harness's ``Context``, the endpoint's ``IdBuffer``). The range check of a view ``buf[:n]``
+    (a call's ``input_ids``) then scans only the ids appended since the last check, so
+    recording a call of a 1M-token context costs its new tokens, not the whole context.
+    ``grown_from``: the buffer ``buf`` copied its prefix from (what was scanned there holds)."""
+    state = [0, 0, 0]
+    old = _SCANNED.get(id(grown_from)) if grown_from is not None else None
+    if old is not None:
+        state = list(old)
+    _SCANNED[id(buf)] = state
+    weakref.finalize(buf, _SCANNED.pop, id(buf), None)
+
+
+def id_range(arr: np.ndarray) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty 1-D integer array, or bounds around them: a prefix view of
+    an :func:`append_only` buffer scans only the ids past what an earlier call scanned there
+    (bounds of the scanned prefix when the view is shorter; exact otherwise)."""
+    base = arr.base
+    state = _SCANNED.get(id(base)) if isinstance(base, np.ndarray) else None
+    if state is None or base.dtype != arr.dtype or base.ndim != 1 \
+            or arr.strides != base.strides \
+            or arr.__array_interface__["data"][0] != base.__array_interface__["data"][0]:
+        return int(arr.min()), int(arr.max())
+    done, lo, hi = state
+    if arr.size <= done:       # a shorter prefix: its range lies inside the scanned one
+        return lo, hi
+    new = arr[done:]
+    nlo, nhi = int(new.min()), int(new.max())
+    lo, hi = (nlo, nhi) if done == 0 else (min(lo, nlo), max(hi, nhi))
+    state[:] = [arr.size, lo, hi]
+    return lo, hi
+
+
 def _check_id_range(arr: np.ndarray, *, field: str, where: str, vocab_size: int | None) -> None:
     """No negative id, none that overflows int64 (uint64 input), none ``>= vocab_size``."""
-    lo, hi = int(arr.min()), int(arr.max())
+    lo, hi = id_range(arr)
+    if lo < 0 or hi > _INT64_MAX or (vocab_size is not None and hi >= vocab_size):
+        lo, hi = int(arr.min()), int(arr.max())  # exact (a prefix's bounds may be wider)
     if lo < 0:
         raise RecordError(f"{where}: {field} holds a negative id ({lo})")
     if hi > _INT64_MAX:

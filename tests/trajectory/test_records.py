@@ -7,6 +7,7 @@ import pytest
 
 from ray_xlong.trajectory import (AgentRun, ModelCall, ProcessorConfig, RecordError,
                                   TrajectoryProcessor)
+from ray_xlong.trajectory.records import check_run
 
 SYS, USER, HELLO, WORLD = 100, 101, 1, 2
 
@@ -121,3 +122,49 @@ def test_empty_output_is_allowed():
 def test_main_agent_may_also_make_summary_calls():
     r = run(calls=[call(), call(call_id="c2", kind="summary")])
     assert [c.kind for c in r.calls] == ["main", "summary"]
+
+
+def test_a_context_prefix_view_scans_only_its_new_ids():
+    """Calls whose inputs are prefix views of one append-only buffer (the harness's Context,
+    the endpoint's IdBuffer): each call's range check reads only the ids appended since the
+    last one, a bad new id is still refused, and a shorter prefix stays valid after it."""
+    from ray_xlong.rollout.context import Context
+    from ray_xlong.serving.prompts import IdBuffer
+
+    ctx = Context(np.array([SYS, USER]), capacity=64)
+    call(input_ids=ctx.view())
+    ctx.append(np.array([HELLO, WORLD]))
+    ctx.buf[0] = -7            # against the contract (never rewritten), so never read again:
+    call(input_ids=ctx.view())  # proof that the scanned prefix is not scanned again
+    ctx.buf[0] = SYS
+    ctx.append(np.array([HELLO, -1]))
+    with pytest.raises(RecordError, match="input_ids holds a negative id"):
+        call(input_ids=ctx.view())
+    call(input_ids=ctx.view()[:4])           # the valid prefix before the bad id
+    call(input_ids=ctx.view()[:3])
+    with pytest.raises(RecordError, match="negative id"):
+        call(input_ids=np.array([SYS, -1]))  # an array of no registered buffer: scanned whole
+
+    buf = IdBuffer(np.array([SYS, USER]))
+    call(input_ids=buf.view())
+    buf = buf.extended(2, np.arange(3000) % 50)        # grows: the scanned prefix carries over
+    call(input_ids=buf.view())
+    buf.buf[1] = -7
+    buf = buf.extended(buf.end, np.array([HELLO]))
+    call(input_ids=buf.view())
+    buf.buf[1] = USER
+    buf = buf.extended(buf.end, np.array([HELLO, 10**6]))
+    with pytest.raises(RecordError, match="id 1000000, outside the vocabulary"):
+        check_run(run(calls=[call(input_ids=buf.view())]), vocab_size=1000)
+
+
+def test_the_engine_input_check_reads_only_new_ids_of_a_context():
+    from ray_xlong.rollout.context import Context
+    from ray_xlong.rollout.engine import check_input_ids
+
+    ctx = Context(np.array([3, 4]), capacity=16)
+    check_input_ids(ctx.view(), vocab_size=10)
+    ctx.append(np.array([5, 12]))
+    with pytest.raises(ValueError, match=r"\[3, 12\]"):
+        check_input_ids(ctx.view(), vocab_size=10)
+    check_input_ids(ctx.view()[:3], vocab_size=10)
