@@ -30,9 +30,14 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# Everything, slow / multi-node / benchmark smoke runs included (what CI runs).
+# Everything, slow / multi-node / benchmark smoke runs included (what CI runs): on 2 pytest-xdist
+# workers (one test file a worker at a time: a file's Ray cluster stays in one process), then
+# the fault and multi-node suites alone (they time node deaths and recoveries; another worker's
+# load would make a busy node look dead). Both phases run; either failing fails the target.
 test-all: setup
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile -m "not (faults or multinode)"; \
+	a=$$?; $(BIN)/python -m pytest -q --durations=10 -m "faults or multinode"; b=$$?; \
+	exit $$(( a || b ))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .cache

@@ -2,18 +2,33 @@
 
 ``warm_cache``: one model cache for the whole run. Warm-started tiny policies are built once per
 (seed, warm-start config, chat style) under it (``cells.task_job.warm_started_model_dir`` reuses
-a finished one), so the examples, benchmark smoke runs and learning tests that start from the
-same policy — in this process or in a subprocess given ``--workdir`` — pay for one warm start.
+a finished one, and builds each under a file lock), so the examples, benchmark smoke runs and
+learning tests that start from the same policy — in this process, in another pytest-xdist
+worker, or in a subprocess given ``--workdir`` — pay for one warm start.
+
+Under pytest-xdist (``make test-all`` runs the suite on 2 workers) each worker gets its own
+``RAY_TMPDIR``: ``ray.init()`` without an address joins the cluster recorded in its temp dir,
+which would otherwise be another worker's ``cluster_utils`` cluster.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
 
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    os.environ["RAY_TMPDIR"] = f"{os.environ.get('RAY_TMPDIR', '/tmp/ray')}_{_WORKER}"
+
 
 @pytest.fixture(scope="session")
 def warm_cache(tmp_path_factory) -> pathlib.Path:
-    """A directory for warm-started policies, shared by every test of the run."""
+    """A directory for warm-started policies, shared by every test of the run (every worker's:
+    the workers' base temp dirs share a parent)."""
+    if _WORKER:
+        shared = tmp_path_factory.getbasetemp().parent / "warm_cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("warm_cache")

@@ -26,6 +26,7 @@ config, so several jobs of one seed share one warm start.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import pathlib
@@ -128,15 +129,26 @@ def warm_started_model_dir(root: str | pathlib.Path, *, seed: int, warm=None,
     Raises:
         rollout.lookup_recipe.WarmStartFailed: the warm start did not take (nothing is cached).
     """
-    from ray_xlong.models import build_tiny_model_dir
-    from ray_xlong.rollout.formats import format_for_tokenizer
-    from ray_xlong.rollout.lookup_recipe import WarmStartConfig, format_corpus, warm_start_policy
+    from ray_xlong.rollout.lookup_recipe import WarmStartConfig
 
     warm = warm or WarmStartConfig()
     tag = "" if style == "token" else f"-{style}"
     path = pathlib.Path(root) / f"policy-seed{seed}{tag}-{warm_start_key(warm)}"
     if (path / READY_MARKER).exists():
         return str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:   # one builder per cache entry
+        fcntl.flock(lock, fcntl.LOCK_EX)    # (drivers or test workers sharing the cache)
+        if (path / READY_MARKER).exists():
+            return str(path)
+        return _build_warm_started(path, seed=seed, warm=warm, style=style)
+
+
+def _build_warm_started(path: pathlib.Path, *, seed: int, warm, style: str) -> str:
+    from ray_xlong.models import build_tiny_model_dir
+    from ray_xlong.rollout.formats import format_for_tokenizer
+    from ray_xlong.rollout.lookup_recipe import format_corpus, warm_start_policy
+
     reports = []
 
     def train(model, tokenizer):
