@@ -32,11 +32,12 @@ test: setup
 
 # Everything, slow / multi-node / benchmark smoke runs included (what CI runs): on 2 pytest-xdist
 # workers (one test file a worker at a time: a file's Ray cluster stays in one process), then
-# the fault and multi-node suites alone (they time node deaths and recoveries; another worker's
-# load would make a busy node look dead). Both phases run; either failing fails the target.
+# the fault, multi-node and `serial` tests alone (they time node deaths and recoveries, or count
+# what their cells did: another worker's load makes a busy node look dead or adds retries).
+# Both phases run; either failing fails the target.
 test-all: setup
-	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile -m "not (faults or multinode)"; \
-	a=$$?; $(BIN)/python -m pytest -q --durations=10 -m "faults or multinode"; b=$$?; \
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile -m "not (faults or multinode or serial)"; \
+	a=$$?; $(BIN)/python -m pytest -q --durations=10 -m "faults or multinode or serial"; b=$$?; \
 	exit $$(( a || b ))
 
 clean:

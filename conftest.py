@@ -32,3 +32,19 @@ def warm_cache(tmp_path_factory) -> pathlib.Path:
         shared.mkdir(exist_ok=True)
         return shared
     return tmp_path_factory.mktemp("warm_cache")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the files with the most slow tests go first (each worker takes whole
+    files, so a long file handed out last leaves the other worker idle at the end); each file's
+    tests keep their order. A run without workers keeps pytest's order."""
+    if not _WORKER:
+        return
+    weight: dict = {}
+    for item in items:
+        slow = item.get_closest_marker("slow") is not None
+        weight[item.path] = weight.get(item.path, 0) + (10 if slow else 1)
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda it: (-weight[it.path], first[it.path]))

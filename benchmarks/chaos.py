@@ -103,7 +103,7 @@ def trend(rewards: list[float]) -> dict:
 
 def run(args) -> dict:
     from benchmarks.faults import LocalCluster
-    from benchmarks.tools.faults import audit
+    from benchmarks.tools.faults import audit, trained_checkpoint
     from ray_xlong.cells.checkpoint import CHECKPOINT
 
     root = tempfile.mkdtemp(prefix="rxc", dir="/tmp")
@@ -135,7 +135,8 @@ def run(args) -> dict:
     restarts, crashes, down = 0, 0, []
     t0 = time.time()
     driver = subprocess.Popen(cmd, cwd=ROOT, stdout=logs, stderr=logs)
-    ckpt = os.path.join(config.checkpoint_dir, CHECKPOINT)
+    ckpt_dir = config.checkpoint_dir
+    ckpt = os.path.join(ckpt_dir, CHECKPOINT)
     plan = None
     try:
         while True:
@@ -150,7 +151,8 @@ def run(args) -> dict:
                 crashes += 1
                 driver = subprocess.Popen(cmd + ["--resume"], cwd=ROOT, stdout=logs, stderr=logs)
             now = time.time()
-            if plan is None and os.path.exists(ckpt):     # faults start at the first checkpoint
+            if plan is None and trained_checkpoint(ckpt_dir):   # faults start at the first
+                # checkpoint of a trained version (the job's start is checkpointed too)
                 plan = collections.deque(schedule(rng, start=now, minutes=args.minutes,
                                                   gap=(args.gap_min, args.gap_max), kinds=kinds))
                 tmp = settings + ".tmp"

@@ -117,6 +117,11 @@ def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, se
     from ray_xlong.jobs.driver import start_cells
     from benchmarks.tools.faults import FaultInjector, FaultPlan, audit
 
+    # Checkpoints every step, as a job that must survive a node needs: a step trained by one
+    # cell leaves the new state on that cell's node only, and a node fault there leaves the
+    # last checkpoint + the spool as the only way back to it.
+    config = dataclasses.replace(config, checkpoint_every=1, checkpoint_dir=os.path.join(
+        os.path.dirname(config.spool_dir), f"ckpt-{kind}"))
     pool = start_cells(config)
     act = RayActuator(config, make_policy(config), pool)
     plan = FaultPlan(seed=seed, **{kind: per_kind})
@@ -151,9 +156,9 @@ def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, se
 
 
 def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -> dict:
-    """Run the job in a driver process, SIGKILL it after its first checkpoint, resume it."""
-    from ray_xlong.cells.checkpoint import CHECKPOINT
-    from benchmarks.tools.faults import audit
+    """Run the job in a driver process, SIGKILL it after its first checkpoint of a trained
+    version, resume it."""
+    from benchmarks.tools.faults import audit, trained_checkpoint
 
     os.makedirs(root, exist_ok=True)
     config = dataclasses.replace(config, checkpoint_dir=os.path.join(root, "ckpt"),
@@ -165,8 +170,7 @@ def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -
            "--address", cluster.address, "--out", out]
     t = time.perf_counter()
     first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt = os.path.join(config.checkpoint_dir, CHECKPOINT)
-    while not os.path.exists(ckpt):
+    while not trained_checkpoint(config.checkpoint_dir):
         if first.poll() is not None:
             raise RuntimeError(f"driver exited ({first.returncode}) before its first checkpoint")
         time.sleep(0.2)

@@ -205,6 +205,15 @@ class Audit:
             and self.versions_consistent
 
 
+def trained_checkpoint(checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint_dir`` holds a completed checkpoint of a trained version (the
+    job's start, version 0, is checkpointed too: faults wait for training to have begun)."""
+    from ray_xlong.cells.shard_checkpoint import latest
+
+    done = latest(checkpoint_dir)
+    return done is not None and done[0] >= 1
+
+
 def audit(result: RayResult, job: SchedulingConfig) -> Audit:
     """Check ``result`` of ``job`` (see :class:`Audit`)."""
     trained = collections.Counter(r for step in result.trained_runs for r in step)

@@ -180,6 +180,8 @@ class RayActuator:
             if s.spool is not None:  # runs of an earlier job or attempt are not ours
                 s.spool.discard(s.spool.run_ids())
             self.start(self.pool.initial_state, self.pool.initial_weights)
+            if s.cfg.checkpoint_dir:   # the starting state is the first checkpoint: a state
+                checkpoint.save(s)     # lost before the first step's save completes reloads it
         self.act()
         while not self.m.done:
             self.tick()

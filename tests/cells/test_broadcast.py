@@ -102,6 +102,7 @@ def engines_hold(pool, cell, want) -> bool:
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.serial
 def test_engine_actors_hold_their_own_gpus_and_runs_stay_on_theirs(cells):
     """Each engine actor holds one distinct logical GPU, set as its ``CUDA_VISIBLE_DEVICES``, in
     its own process (4 actors of 1 GPU fit the 2 × 2 GPUs beside the runners: the runners hold
@@ -149,6 +150,7 @@ def test_engine_actors_hold_their_own_gpus_and_runs_stay_on_theirs(cells):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.serial
 def test_an_engine_layout_that_does_not_divide_the_cell_fails_before_anything_starts(cells):
     """3 engine actors on a cell of 2 GPUs: ``create_cells`` refuses, naming the numbers, and
     creates no placement group."""
@@ -168,6 +170,7 @@ def test_an_engine_layout_that_does_not_divide_the_cell_fails_before_anything_st
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_lost_engine_actor_takes_its_runner_down_and_the_cell_is_rebuilt(cells):
     """Engine actor 1 of cell 0 is killed; the next run pinned to it finds it dead and the
     runner exits (recovery's runner loss), taking engine actor 0 with it; the cell's runner is
@@ -216,6 +219,7 @@ def final_weights(act) -> dict[str, torch.Tensor]:
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.serial
 def test_broadcast_job_puts_the_learners_weights_into_every_engine(cells):
     """The same elastic job twice on the same cells: object store, then broadcast. Every
     engine of every cell the last step pushed to holds the Learner's weights bitwise (both
@@ -254,6 +258,7 @@ def test_broadcast_job_puts_the_learners_weights_into_every_engine(cells):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_runner_killed_at_a_sync_loses_nothing(cells):
     """A target's runner is killed just before the first broadcast: its engine actors die with
     it, the sender's group rendezvous times out (``weight_sync_timeout_s``), the job does not
@@ -299,6 +304,7 @@ def test_a_runner_killed_at_a_sync_loses_nothing(cells):
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_sender_lost_at_a_sync_falls_back_to_the_object_store(cells):
     """The Learner that holds the step's weights is killed just before it broadcasts: every
     target's receive fails within ``weight_sync_timeout_s`` (its group aborted, its runner

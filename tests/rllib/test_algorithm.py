@@ -28,8 +28,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ray")
-    os.environ["RAY_TMPDIR"] = str(tmp)
+    tmp = tempfile.mkdtemp(prefix="rx", dir="/tmp")   # short: Ray's socket paths fit 107 bytes
+    os.environ["RAY_TMPDIR"] = tmp
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
     yield tmp
     ray.shutdown()
