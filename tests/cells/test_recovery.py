@@ -254,3 +254,40 @@ def test_the_node_of_the_only_holder_lost_reloads_instead_of_loading_its_lost_co
     assert "node_returned" in [f.kind for f in result.faults if f.cell == cell]
     assert any(f.kind == "state" and "reloaded version" in f.why for f in result.faults)
     audit(job, result)
+
+
+def test_a_returned_cell_whose_state_load_is_lost_every_time_fails_after_three_tries(tmp_path):
+    """A returned node's cell loads the state into its new Learner; a load lost every time (the
+    source gone for good) is tried on 3 ticks, then the job fails naming the cell — it never
+    spins (the fault suite's node job once hung 1,400 s in CI)."""
+    from fakes import FakeObjectLost
+
+    job = FakeJob.make(fake_config(tmp_path, steps=4), polls=3)
+    act = job.actuator()
+    spawn = job.pool._spawn
+
+    def lost_on_load(cell, which):
+        actor = spawn(cell, which)
+        if which == "learner" and cell == act.injector.fired:
+            def set_xlong_state(state):
+                raise FakeObjectLost("the state's source is gone")
+            actor.obj.set_xlong_state = set_xlong_state
+        return actor
+
+    def lose_node(a):
+        for cell in range(len(a.cells)):
+            if a.m.live[cell]:
+                job.pool.lose_node(cell)
+                job.pool._spawn = lost_on_load
+                return cell
+        return None
+
+    def restore(a):
+        if act.injector.ticks_after == 3:
+            job.pool.restore_node(act.injector.fired)
+
+    act.injector = OnceWhen(lose_node, then=restore)
+    with pytest.raises(CellActorDied, match=r"its node returned, but loading the state into "
+                                            r"its new Learner failed 3 times"):
+        act.run()
+    assert act.recovery.lost_rebuilds[act.injector.fired] == 3
