@@ -215,7 +215,7 @@ def run(*, calls: int, exact_calls: int, chars: int, repeats: int = 1) -> dict:
                     continue
                 reps = [measure(style, n, chars, windowed=rule == "windowed")
                         for _ in range(repeats)]
-                costs, stats = reps[-1]
+                stats = reps[-1][1]
                 cpu = _median_points([at_points([c for c, _ in r]) for r, _ in reps])
                 wall = _median_points([at_points([w for _, w in r]) for r, _ in reps])
                 first, last = cpu.get(10), cpu[max(cpu)] if cpu else None

@@ -116,18 +116,16 @@ def append_only(buf: np.ndarray, *, grown_from: np.ndarray | None = None) -> Non
 
 
 def id_range(arr: np.ndarray) -> tuple[int, int]:
-    """``(min, max)`` of a non-empty 1-D integer array, or bounds around them: a prefix view of
-    an :func:`append_only` buffer scans only the ids past what an earlier call scanned there
-    (bounds of the scanned prefix when the view is shorter; exact otherwise)."""
+    """``(min, max)`` of a non-empty 1-D integer array. A view ``buf[:n]`` of an
+    :func:`append_only` buffer that reaches past what an earlier call scanned there scans only
+    the ids past it; any other array (a shorter prefix included) is scanned whole."""
     base = arr.base
     state = _SCANNED.get(id(base)) if isinstance(base, np.ndarray) else None
-    if state is None or base.dtype != arr.dtype or base.ndim != 1 \
+    if state is None or arr.size <= state[0] or base.dtype != arr.dtype or base.ndim != 1 \
             or arr.strides != base.strides \
             or arr.__array_interface__["data"][0] != base.__array_interface__["data"][0]:
         return int(arr.min()), int(arr.max())
     done, lo, hi = state
-    if arr.size <= done:       # a shorter prefix: its range lies inside the scanned one
-        return lo, hi
     new = arr[done:]
     nlo, nhi = int(new.min()), int(new.max())
     lo, hi = (nlo, nhi) if done == 0 else (min(lo, nlo), max(hi, nhi))
@@ -138,8 +136,6 @@ def id_range(arr: np.ndarray) -> tuple[int, int]:
 def _check_id_range(arr: np.ndarray, *, field: str, where: str, vocab_size: int | None) -> None:
     """No negative id, none that overflows int64 (uint64 input), none ``>= vocab_size``."""
     lo, hi = id_range(arr)
-    if lo < 0 or hi > _INT64_MAX or (vocab_size is not None and hi >= vocab_size):
-        lo, hi = int(arr.min()), int(arr.max())  # exact (a prefix's bounds may be wider)
     if lo < 0:
         raise RecordError(f"{where}: {field} holds a negative id ({lo})")
     if hi > _INT64_MAX:
