@@ -45,7 +45,8 @@ class LearnerSettings:
     context_parallel: int = 1
     """Ranks per tree row (context parallelism, ``cells/context_parallel.py``): a sharded cell
     of N ranks runs N ÷ context_parallel data-parallel groups, each splitting its rows by token
-    ranges. Must divide ``ShardingSettings.ranks_per_cell``; needs tree packing."""
+    ranges. Must divide ``ShardingSettings.ranks_per_cell``; needs tree packing and a token-level
+    loss (``LossConfig.ratio_level='token'``, no ``sequence_mask``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or not self.model_dir:
@@ -63,6 +64,15 @@ class LearnerSettings:
             raise ValueError(f"LearnerSettings.attn_implementation must be one of {ATTENTIONS} "
                              f"or None, got {self.attn_implementation!r}")
         check_int("LearnerSettings", "context_parallel", self.context_parallel, minimum=1)
+        if self.context_parallel > 1 and (self.loss.ratio_level != "token"
+                                          or self.loss.sequence_mask is not None):
+            # a run's targets are split across the row's ranks: a per-run quantity would be
+            # each rank's partial one
+            raise ValueError(f"LearnerSettings.context_parallel={self.context_parallel} splits "
+                             f"each run's targets across ranks; LossConfig.ratio_level="
+                             f"{self.loss.ratio_level!r} and sequence_mask="
+                             f"{self.loss.sequence_mask!r} need a run's targets on one rank "
+                             f"(ratio_level='token', sequence_mask=None)")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"LearnerSettings.micro_batch_tokens must be >= 1, "
                              f"got {self.micro_batch_tokens!r}")

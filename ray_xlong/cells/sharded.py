@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -48,6 +49,7 @@ from ray_xlong.cells.context_parallel import make_groups, rank_share
 from ray_xlong.cells.learner_settings import LearnerSettings
 from ray_xlong.cells.sharding import ShardingError, ShardingSettings, rank_placements
 from ray_xlong.trajectory.loss import policy_loss
+from ray_xlong.trajectory.loss_stats import LearnerStepStats, StepStatsLog, loss_stats
 from ray_xlong.trajectory.model import token_logprobs
 from ray_xlong.trajectory.packing import PackedBatch, _take_rows
 
@@ -65,6 +67,7 @@ class LearnerRank:
         self.settings, self.sharding, self.batch_of = settings, sharding, batch_of
         self.rank, self.world_size = rank, world_size
         self.version, self.asleep, self.micro_batches, self.tokens = 0, False, 0, 0
+        self.step_stats = StepStatsLog()
         self.device = torch.device("cuda", 0) if sharding.device == "cuda" else torch.device("cpu")
         self.offload_to = torch.device("cpu")
         """Where :meth:`sleep` moves the training state (nowhere when it is ``device``)."""
@@ -128,8 +131,13 @@ class LearnerRank:
         mine = PackedBatch.from_tensors({k: v if k in ("run_ids", "layout") else
                                          v.to(self.device)
                                          for k, v in mine.to_tensors().items()})
-        loss, _ = policy_loss(self.root(mine.to_tensors(), plan), mine, self.settings.loss)
+        start = time.perf_counter()
+        logprobs = self.root(mine.to_tensors(), plan)
+        loss, _ = policy_loss(logprobs, mine, self.settings.loss)
         loss.backward()
+        self.step_stats.note(self.version, loss=loss_stats(logprobs, mine, self.settings.loss,
+                                                           loss=float(loss)),
+                             train_s=time.perf_counter() - start)
         self.micro_batches += 1
         self.tokens += targets
         return targets
@@ -178,7 +186,7 @@ class LearnerRank:
                 g += other[name]
             g = (g / total).to(self.device, p.dtype)
             p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
-        return self._step(version)
+        return self._step(version, total)
 
     def reduce_step(self, group: Any, total: float, version: int) -> int:
         """This rank's gradient shard all-reduced with rank ``rank`` of the step's other member
@@ -209,19 +217,26 @@ class LearnerRank:
                 p.grad = shards[name]
             raise RuntimeError(f"LearnerRank.reduce_step: rank {self.rank}: the cell's "
                                f"collective failed ({error or 'on another rank'})")
-        return self._step(version)
+        return self._step(version, total)
 
     def _check_next(self, call: str, version: int) -> None:
         if version != self.version + 1:
             raise RuntimeError(f"LearnerRank.{call}: rank at version {self.version} cannot "
                                f"produce version {version} (reload its state first)")
 
-    def _step(self, version: int) -> int:
-        """Clip, Adam on the shards' gradients, the new version."""
+    def _step(self, version: int, total: float) -> int:
+        """Clip, Adam on the shards' gradients, the new version. Collective (the norm)."""
+        start = time.perf_counter()
+        params = list(self.lm.parameters())
         if self.settings.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(self.lm.parameters()), self.settings.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self.step_stats.note(self.version, apply_s=time.perf_counter() - start,
+                             grad_norm=float(norm), total=float(total))
         self.version = version
         return version
 
@@ -384,10 +399,12 @@ class LearnerRank:
             self.sleep_memory["asleep"] = _allocated(self.device)
         self.asleep = True
 
-    def take_step_stats(self, version: int) -> None:
-        """No per-step Learner statistics on a sharded rank yet (``collect_learner_stats``
-        leaves the cell out of the step's learner metrics)."""
-        return None
+    def take_step_stats(self, version: int) -> LearnerStepStats | None:
+        """This rank's part of the step that trained ``version``: its targets' loss statistics
+        (its rows, or its token ranges under context parallelism), seconds, and the cell's
+        gradient norm and normalizer (None: no part in it); forgets it and anything older.
+        The cell's handle merges its ranks' parts (:func:`merge_rank_stats`)."""
+        return self.step_stats.take(version)
 
     def xlong_metrics(self) -> dict[str, int]:
         """This rank's micro-batches, target tokens and version."""
@@ -532,6 +549,43 @@ class _Method:
         return _first_task().remote(refs) if self.wait_all else refs[0]
 
 
+def merge_rank_stats(parts: Sequence[LearnerStepStats | None]) -> LearnerStepStats | None:
+    """One cell's :class:`LearnerStepStats` from its ranks' parts (None: no rank took part)."""
+    out = None
+    for part in parts:
+        if part is not None:
+            out = part if out is None else out.merge_ranks(part)
+    return out
+
+
+def _merged_stats(refs: list[Any]) -> LearnerStepStats | None:
+    import ray
+
+    return merge_rank_stats(ray.get(refs))
+
+
+@functools.cache
+def _merged_stats_task() -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0)(_merged_stats)
+
+
+class _MergedStats:
+    """``cell.take_step_stats.remote(version)``: every rank's part, merged into the cell's."""
+
+    def __get__(self, cell: "ShardedCell | None", owner: type | None = None) -> Any:
+        return self if cell is None else self._Call(cell.ranks)
+
+    class _Call:
+        def __init__(self, ranks: Sequence[Any]) -> None:
+            self.ranks = ranks
+
+        def remote(self, version: int) -> Any:
+            return _merged_stats_task().remote([r.take_step_stats.remote(version)
+                                                for r in self.ranks])
+
+
 class _EveryRank:
     """A Learner call of a :class:`ShardedCell` (a descriptor named after the method): it goes
     to every rank; the ref back is rank 0's (``rank0``: state and gradients, which rank 0
@@ -565,7 +619,7 @@ class ShardedCell:
     set_xlong_state = _EveryRank()
     wake_up = _EveryRank()
     sleep = _EveryRank()
-    take_step_stats = _EveryRank()
+    take_step_stats = _MergedStats()
     xlong_metrics = _EveryRank()
     save_checkpoint = _EveryRank()
     wait_checkpoint = _EveryRank()

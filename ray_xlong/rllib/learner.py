@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -46,11 +45,10 @@ from ray.rllib.core.rl_module.torch.torch_rl_module import TorchRLModule
 from ray_xlong.cells.collectives import count
 from ray_xlong.cells.config import DTYPES, LearnerSettings  # noqa: F401 (re-exported)
 from ray_xlong.rllib.connector import ADVANTAGES_KEY, PrefixTreeConnector
-from ray_xlong.rllib.results import LearnerStepStats
 from ray_xlong.trajectory import ProcessorConfig
 from ray_xlong.trajectory.accumulate import accumulate_loss
 from ray_xlong.trajectory.loss import policy_loss
-from ray_xlong.trajectory.loss_stats import LossStats
+from ray_xlong.trajectory.loss_stats import LearnerStepStats, LossStats, StepStatsLog
 from ray_xlong.trajectory.model import token_logprobs
 from ray_xlong.trajectory.packing import PackedBatch
 
@@ -90,7 +88,7 @@ class XLongLearner(TorchLearner):
         self.asleep = False
         self.micro_batches = 0
         self.tokens = 0
-        self.step_stats: dict[int, LearnerStepStats] = {}   # by the version trained
+        self.step_stats = StepStatsLog()   # by the version trained
         self.last_loss_stats = LossStats()
         # KL to a reference policy: the starting weights, frozen (one more copy of the model).
         self.reference = None
@@ -350,19 +348,14 @@ class XLongLearner(TorchLearner):
                    apply_s: float = 0.0, grad_norm: float | None = None,
                    total: float | None = None) -> None:
         """Add to the :class:`LearnerStepStats` of the version being trained."""
-        old = self.step_stats.get(self.version) or LearnerStepStats(
-            self.version, LossStats(), 0.0, 0.0, math.nan, math.nan)
-        self.step_stats[self.version] = LearnerStepStats(
-            self.version, old.loss.merge(loss), old.train_s + train_s, old.apply_s + apply_s,
-            old.grad_norm if grad_norm is None else grad_norm,
-            old.total if total is None else total)
+        self.step_stats.note(self.version, loss=loss, train_s=train_s, apply_s=apply_s,
+                             grad_norm=grad_norm, total=total)
 
     def take_step_stats(self, version: int) -> LearnerStepStats | None:
         """What this learner did for the step that trained ``version`` (None if it took no
         part); forgets it and anything older."""
-        out = self.step_stats.get(version)
-        self.step_stats = {v: s for v, s in self.step_stats.items() if v > version}
-        return out
+        return self.step_stats.take(version)
+
 
 def run_pipeline(pipeline: Any, run_ids: Sequence[str], advantages: Sequence[float],
                  payloads: Sequence[Sequence[Any]], *, rl_module: Any, metrics: Any,

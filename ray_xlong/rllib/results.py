@@ -40,7 +40,7 @@ from ray.rllib.utils.metrics import (ENV_RUNNER_RESULTS, EPISODE_RETURN_MEAN,
                                      TIMERS)
 
 from ray_xlong.rollout.run_stats import AgentStepStats, agent_step_stats
-from ray_xlong.trajectory.loss_stats import LossStats
+from ray_xlong.trajectory.loss_stats import LearnerStepStats, LossStats
 
 AGENT = "agent"
 """``env_runners/agent/...``: the agent statistics of the runs a step trained."""
@@ -52,24 +52,6 @@ LEARNER_KEYS = ("policy_loss", "clip_fraction", "approx_kl", "importance_ratio_m
 """``learners/default_policy/<key>`` of every step (:class:`LearnerMetrics` fields)."""
 TIMER_KEYS = ("step_waiting_s", "step_training_s", "step_syncing_s")
 """``timers/<key>`` of every step (:class:`StepTimes` fields)."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LearnerStepStats:
-    """What one learner did for one step (sent from the learner actor to the driver)."""
-
-    version: int
-    """The policy version the step trained (its result is ``version + 1``)."""
-    loss: LossStats
-    """Loss diagnostics summed over this learner's micro-batches."""
-    train_s: float
-    """Seconds in forward / backward of the micro-batches."""
-    apply_s: float
-    """Seconds of the optimizer step (reduce sum, clip, Adam)."""
-    grad_norm: float
-    """Global norm of the reduced gradient before clipping (nan if no step applied)."""
-    total: float
-    """The step's normalizer (the reduced gradient is Σ grads ÷ total; nan if none applied)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

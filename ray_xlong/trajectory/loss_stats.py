@@ -110,3 +110,64 @@ def loss_stats(logprobs: torch.Tensor, batch: PackedBatch, config: LossConfig, *
             log_ratio_sum=float(log_ratio.sum()),
             log_ratio_max=float(log_ratio.abs().max()) if n else 0.0,
             masked=int((t.mask[keep] == 0).sum()), kl_penalty_sum=float(t.kl[keep].sum()))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LearnerStepStats:
+    """What one learner did for one step (sent from the learner actor to the driver)."""
+
+    version: int
+    """The policy version the step trained (its result is ``version + 1``)."""
+    loss: LossStats
+    """Loss diagnostics summed over this learner's micro-batches."""
+    train_s: float
+    """Seconds in forward / backward of the micro-batches."""
+    apply_s: float
+    """Seconds of the optimizer step (reduce sum, clip, Adam)."""
+    grad_norm: float
+    """Global norm of the reduced gradient before clipping (nan if no step applied)."""
+    total: float
+    """The step's normalizer (the reduced gradient is Σ grads ÷ total; nan if none applied)."""
+
+    def merge_ranks(self, other: "LearnerStepStats") -> "LearnerStepStats":
+        """The report of one cell from two of its ranks: each rank trained its own targets (its
+        rows, or its token ranges of a row under context parallelism), so the loss sums add;
+        the ranks ran side by side (the slowest one's seconds); the gradient norm and the
+        normalizer are the cell's, the same on every rank that applied the step."""
+        return LearnerStepStats(
+            self.version, self.loss.merge(other.loss), max(self.train_s, other.train_s),
+            max(self.apply_s, other.apply_s),
+            self.grad_norm if math.isfinite(self.grad_norm) else other.grad_norm,
+            self.total if math.isfinite(self.total) else other.total)
+
+
+class StepStatsLog:
+    """A Learner's :class:`LearnerStepStats` by the version each step trained, kept until
+    taken (``take_step_stats``); a job that never takes them keeps the last :attr:`KEEP`."""
+
+    KEEP = 64
+    """Versions kept at most (older ones are dropped when a new one starts)."""
+
+    def __init__(self) -> None:
+        self.by_version: dict[int, LearnerStepStats] = {}
+
+    def note(self, version: int, *, loss: LossStats = LossStats(), train_s: float = 0.0,
+             apply_s: float = 0.0, grad_norm: float | None = None,
+             total: float | None = None) -> None:
+        """Add to the report of the step that trains ``version``."""
+        old = self.by_version.get(version)
+        if old is None:
+            old = LearnerStepStats(version, LossStats(), 0.0, 0.0, math.nan, math.nan)
+            for v in sorted(self.by_version)[:max(0, len(self.by_version) - self.KEEP + 1)]:
+                del self.by_version[v]
+        self.by_version[version] = LearnerStepStats(
+            version, old.loss.merge(loss), old.train_s + train_s, old.apply_s + apply_s,
+            old.grad_norm if grad_norm is None else grad_norm,
+            old.total if total is None else total)
+
+    def take(self, version: int) -> LearnerStepStats | None:
+        """The report of the step that trained ``version`` (None: no part in it); forgets it
+        and anything older."""
+        out = self.by_version.get(version)
+        self.by_version = {v: s for v, s in self.by_version.items() if v > version}
+        return out

@@ -143,6 +143,17 @@ def test_context_parallel_that_does_not_divide_the_ranks_names_both(tmp_path):
         LearnerSettings(model_dir=str(tmp_path), context_parallel=0)
 
 
+@pytest.mark.parametrize("loss", [LossConfig(ratio_level="sequence"),
+                                  LossConfig(ratio_level="geo_mean"),
+                                  LossConfig(sequence_mask=(0.5, 2.0))])
+def test_a_sequence_level_loss_under_context_parallelism_is_refused(tmp_path, loss):
+    # each rank holds part of a run's targets: a run's ratio would be a rank's partial one
+    with pytest.raises(ValueError, match=r"context_parallel=2 splits each run's targets.*"
+                                         r"ratio_level="):
+        LearnerSettings(model_dir=str(tmp_path), context_parallel=2, loss=loss)
+    LearnerSettings(model_dir=str(tmp_path), context_parallel=1, loss=loss)   # one rank: fine
+
+
 def test_context_parallel_larger_than_the_row_names_both():
     batch = tree_batch()
     small = join_rows(batch, [0])

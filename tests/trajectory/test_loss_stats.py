@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ray_xlong.trajectory import LossConfig, ProcessorConfig, TrajectoryProcessor, policy_loss
-from ray_xlong.trajectory.loss_stats import LossStats, loss_stats
+from ray_xlong.trajectory.loss_stats import (LearnerStepStats, LossStats, StepStatsLog,
+                                             loss_stats)
 from ray_xlong.trajectory.packing import micro_batches
 from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_runs
 
@@ -79,3 +80,34 @@ def test_empty_stats_have_zero_means():
     s = LossStats()
     assert s.tokens == 0 and s.mean("kl_sum") == 0.0
     assert s.ratio_min == math.inf and s.merge(s) == s
+
+
+def test_a_learners_step_reports_add_up_and_are_taken_once():
+    log = StepStatsLog()
+    log.note(3, loss=LossStats(tokens=2, loss_sum=1.0), train_s=0.5)
+    log.note(3, loss=LossStats(tokens=3, loss_sum=2.0), train_s=0.25)
+    log.note(3, apply_s=0.1, grad_norm=4.0, total=5.0)
+    log.note(4, loss=LossStats(tokens=1))
+    got = log.take(3)
+    assert (got.version, got.loss.tokens, got.loss.loss_sum, got.train_s, got.apply_s,
+            got.grad_norm, got.total) == (3, 5, 3.0, 0.75, 0.1, 4.0, 5.0)
+    assert log.take(3) is None and log.take(4).loss.tokens == 1
+    for v in range(StepStatsLog.KEEP + 10):     # a job that never takes them keeps the last
+        log.note(v, loss=LossStats(tokens=1))
+    assert sorted(log.by_version) == list(range(10, StepStatsLog.KEEP + 10))
+
+
+def test_a_cells_ranks_merge_into_the_cells_report():
+    from ray_xlong.cells.sharded import merge_rank_stats
+
+    rank0 = LearnerStepStats(7, LossStats(tokens=4, loss_sum=1.0, ratio_min=0.9, ratio_max=1.1,
+                                          log_ratio_max=0.1), 2.0, 0.5, 3.0, 8.0)
+    rank1 = LearnerStepStats(7, LossStats(tokens=6, loss_sum=-0.5, ratio_min=0.8, ratio_max=1.0,
+                                          log_ratio_max=0.2), 3.0, 0.25, 3.0, 8.0)
+    cell = merge_rank_stats([rank0, None, rank1])
+    assert cell.loss.tokens == 10 and cell.loss.loss_sum == 0.5
+    assert (cell.loss.ratio_min, cell.loss.ratio_max, cell.loss.log_ratio_max) == (0.8, 1.1, 0.2)
+    assert (cell.train_s, cell.apply_s, cell.grad_norm, cell.total) == (3.0, 0.5, 3.0, 8.0)
+    assert merge_rank_stats([None, None]) is None
+    no_step = LearnerStepStats(7, LossStats(tokens=1), 1.0, 0.0, math.nan, math.nan)
+    assert merge_rank_stats([no_step, rank1]).grad_norm == 3.0
