@@ -34,11 +34,14 @@ test: setup
 # workers (one test file a worker at a time: a file's Ray cluster stays in one process), then
 # the fault, multi-node and `serial` tests alone (they time node deaths and recoveries, or count
 # what their cells did: another worker's load makes a busy node look dead or adds retries).
-# Both phases run; either failing fails the target.
+# Both phases run; either failing fails the target. Each writes its JUnit XML
+# (`python tests/durations.py .pytest-phase*.xml` refreshes the file order of the first).
 test-all: setup
-	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile -m "not (faults or multinode or serial)"; \
-	a=$$?; $(BIN)/python -m pytest -q --durations=10 -m "faults or multinode or serial"; b=$$?; \
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile --junitxml=.pytest-phase1.xml \
+		-m "not (faults or multinode or serial)"; \
+	a=$$?; $(BIN)/python -m pytest -q --durations=10 --junitxml=.pytest-phase2.xml \
+		-m "faults or multinode or serial"; b=$$?; \
 	exit $$(( a || b ))
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .cache
+	rm -rf $(VENV) .pytest_cache .hypothesis .cache .pytest-phase*.xml
