@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 from ray_xlong.cells import checkpoint
 from ray_xlong.cells.broadcast import broadcast_sync
+from ray_xlong.cells.collectives import transfer_broke
 from ray_xlong.cells.config import CellJobConfig
 from ray_xlong.cells.eval_runs import EvalRuns
 from ray_xlong.cells.job_state import INF, JobState
@@ -245,6 +246,9 @@ class RayActuator:
             try:
                 value = s.ray.get(ref)
             except s.ray.Error as exc:
+                if p.kind == "switch" and transfer_broke(exc):   # its holder's end was lost
+                    self.recovery.transfer_broke(p.cell, str(exc))
+                    continue
                 if not s.ray.lost(exc):
                     raise CellActorDied(f"cell {p.cell}: {p.kind} failed: {exc}") from exc
                 if p.kind == "eval":  # recovered through the runner's other refs; its

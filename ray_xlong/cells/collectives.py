@@ -283,10 +283,35 @@ def send_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, owner:
     return sent
 
 
+class PeerTransferError(RuntimeError):
+    """A state transfer from a holder broke before anything was loaded (the holder's end was
+    lost mid-way, or their group never formed): the receiving rank holds its old state."""
+
+
+def transfer_broke(exc: BaseException) -> bool:
+    """Whether ``exc`` (a failed call, however wrapped: Ray task errors carry the method's
+    error as ``cause``) is a :class:`PeerTransferError`."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, PeerTransferError):
+            return True
+        seen.add(id(exc))
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return False
+
+
 def receive_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, owner: Any,
                   spec: SyncSpec, version: int) -> None:
-    """Receive a holder's :func:`send_state` of ``version`` and load it."""
+    """Receive a holder's :func:`send_state` of ``version`` and load it.
+
+    Raises:
+        PeerTransferError: the transfer broke; nothing was loaded.
+    """
     groups = sync_groups(owner, COLLECTIVES, limit=GROUP_LIMIT)
-    tensors = groups.receive(spec, version)
+    try:
+        tensors = groups.receive(spec, version)
+    except Exception as exc:  # noqa: BLE001 - a lost peer shows as gloo / store / timeout errors
+        raise PeerTransferError(f"the state of version {version} from its holder did not "
+                                f"arrive: {exc!r}") from exc
     traffic["state_in"] += nbytes(tensors)
     load_state_tensors(module, optimizer, tensors)

@@ -179,6 +179,8 @@ class ElasticLearnerGroup:
         """Steps reduced through the object store after their collective failed."""
         self.peer_states = 0
         """States a joining cell loaded from a holder, peer to peer."""
+        self._transfers: dict[int, tuple[int, int]] = {}
+        """(holder, joiner) of each joiner's last peer-to-peer state transfer."""
 
     # -- where the current state lives (the driver holds refs only) ----------------------------
     def holders(self) -> list[int]:
@@ -273,10 +275,18 @@ class ElasticLearnerGroup:
                 self.learners[source[0]].send_state.remote(StateFrom(groups[source[0]],
                                                                      self.version))
                 state = StateFrom(groups[cell], self.version)
+                self._transfers[cell] = (source[0], cell)
         self.members.append(cell)
         self.held.setdefault(cell, [])
         self.learner_version[cell] = self.version
         return self.learners[cell].wake_up.remote(state, after)
+
+    def transfer_failed(self, cell: int) -> None:
+        """``cell``'s state transfer from its holder broke: their group is made anew next
+        time (the cell's Learner is replaced: ``Recovery.transfer_broke``)."""
+        pair = self._transfers.pop(cell, None)
+        if pair is not None and self._rendezvous() is not None:
+            self.ray.peer_groups().failed("state", pair)
 
     def _peer_groups(self, kind: str, cells: Sequence[int]) -> dict[int, PeerGroup] | None:
         """The :class:`PeerGroup` of each of ``cells`` (their order: positions) for ``kind``

@@ -55,6 +55,9 @@ class RayCalls(Protocol):
         """The rendezvous of the groups between cells (``collectives.PeerGroups``, made on
         first use), or None: reductions and state then go through the object store."""
 
+    def kill(self, actor: Any) -> None:
+        """Stop ``actor`` (every rank of a sharded cell's Learner)."""
+
 
 def actor_lost(exc: BaseException) -> bool:
     """Whether ``exc`` (from ``ray.get``) means an actor died (directly or in a dependency)."""
@@ -104,6 +107,11 @@ class RayEdge:
 
     def reduce(self, parts: Sequence[Any], *, scheme: str) -> list[Any]:
         return reduce_gradients(parts, scheme=scheme)
+
+    def kill(self, actor: Any) -> None:
+        from ray_xlong.cells.sharded import kill
+
+        kill(actor)
 
     def peer_groups(self) -> Any:
         from ray_xlong.cells.collectives import PeerGroups

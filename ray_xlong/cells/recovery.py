@@ -109,6 +109,16 @@ class Recovery:
                 raise
             self.recover(cell, f"{why}; lost again while rebuilding", attempt=attempt + 1)
 
+    def transfer_broke(self, cell: int, why: str) -> None:
+        """``cell``'s Learner woke up to join a step, but the state it was loading from a holder
+        never arrived whole (the holder's node went mid-way): it is stopped — a sharded cell's
+        ranks may differ in what they loaded — and rebuilt on the state of a live holder, or
+        the last checkpoint, as when a Learner dies (no driver restart)."""
+        s = self.state
+        s.learners.transfer_failed(cell)
+        s.ray.kill(s.cells[cell].learner)
+        self.recover(cell, f"switch failed: its state transfer broke ({why})")
+
     def _dead(self, cell: int, why: str) -> tuple[bool, bool]:
         """(runner dead, learner dead); looks twice, since a failure that came through a
         dependency may arrive before Ray marks the actor."""

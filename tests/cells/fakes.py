@@ -208,6 +208,9 @@ class FakeRay:
     def peer_groups(self) -> None:
         return None                  # no process groups in process: the object store
 
+    def kill(self, actor: Any) -> None:
+        actor.kill()
+
     def reduce(self, parts: Sequence[Any], *, scheme: str) -> list[Any]:
         if scheme == "all" or len(parts) <= 1:
             return list(parts)

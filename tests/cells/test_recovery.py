@@ -291,3 +291,33 @@ def test_a_returned_cell_whose_state_load_is_lost_every_time_fails_after_three_t
                                             r"its new Learner failed 3 times"):
         act.run()
     assert act.recovery.lost_rebuilds[act.injector.fired] == 3
+
+
+def test_a_joiners_broken_state_transfer_rebuilds_its_learner_not_the_driver(tmp_path,
+                                                                              monkeypatch):
+    """A cell joins a step behind: its Learner loads the state from a holder, and the holder's
+    end of the transfer is lost mid-way (gloo: "connection closed by peer"). The Learner is
+    alive, its state unchanged (or, sharded, partly loaded): it is stopped and rebuilt on the
+    state of a live holder, the step goes on — before, the driver failed (CellActorDied) and a
+    new one resumed from the checkpoint."""
+    from fakes import FakeLearner
+    from ray_xlong.cells.collectives import PeerTransferError
+
+    broke = []
+    wake_up = FakeLearner.wake_up
+
+    def breaking(self, state=None, after=None):
+        if state is not None and int(state["version"]) != self.version and not broke:
+            broke.append(self.version)
+            raise PeerTransferError("the state of version 2 from its holder did not arrive: "
+                                    "Connection closed by peer")
+        return wake_up(self, state, after)
+
+    monkeypatch.setattr(FakeLearner, "wake_up", breaking)
+    job = FakeJob.make(fake_config(tmp_path, steps=5))
+    result = job.actuator().run()
+    assert broke, "no cell joined a step behind"
+    (f,) = [f for f in result.faults if "state transfer broke" in f.why]
+    assert f.kind == "learner" and not f.retired
+    assert job.pool.actors_replaced == 1
+    audit(job, result)
