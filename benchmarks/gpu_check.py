@@ -249,7 +249,7 @@ def _cell(ctx: Ctx, ranks: int, *, one_gpu: bool = False):
     import ray
 
     from ray_xlong.cells.config import LearnerSettings
-    from ray_xlong.cells.sharded import start_sharded_cell
+    from ray_xlong.cells.sharded_cell import start_sharded_cell
     from ray_xlong.cells.sharding import ShardingSettings
     from ray_xlong.rllib.learner import ConnectorBatches, learner_config
 

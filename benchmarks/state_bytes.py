@@ -131,7 +131,7 @@ def _rss() -> int:
 def start_cells(model_dir: str, ranks: int) -> tuple[list, list]:
     """``CELLS`` Learners (actors or sharded cells); the list of their processes' handles."""
     from ray_xlong.cells.config import LearnerSettings
-    from ray_xlong.cells.sharded import start_sharded_cell
+    from ray_xlong.cells.sharded_cell import start_sharded_cell
     from ray_xlong.cells.sharding import ShardingSettings
     from ray_xlong.rllib.learner import ConnectorBatches, XLongLearner, learner_config
 

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import ray
 
 from ray_xlong.cells.metrics import RayResult, check_invariants
-from ray_xlong.cells.sharded import ShardedCell
+from ray_xlong.cells.sharded_cell import ShardedCell
 from ray_xlong.cells.runs import run_key
 from ray_xlong.scheduling import SchedulingConfig
 

@@ -462,6 +462,6 @@ class ElasticLearnerGroup:
 
 
 def _ranks(learner: Any) -> int:
-    """Learner ranks behind a handle (a ``sharded.ShardedCell`` lists its ranks; else 1)."""
+    """Learner ranks behind a handle (a ``sharded_cell.ShardedCell`` lists its ranks; else 1)."""
     ranks = getattr(learner, "ranks", None)
     return len(ranks) if isinstance(ranks, list) else 1

@@ -43,7 +43,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_xlong.cells.layout import CellLayout, LayoutError, check_layout
 from ray_xlong.cells.ray_edge import actor_lost
-from ray_xlong.cells.sharded import BatchOf, ShardedCell, kill, start_sharded_cell
+from ray_xlong.cells.sharded import BatchOf
+from ray_xlong.cells.sharded_cell import ShardedCell, kill, start_sharded_cell
 from ray_xlong.cells.sharding import ShardingError, ShardingSettings, ranks_per_bundle
 
 if TYPE_CHECKING:  # annotations only
@@ -78,7 +79,7 @@ class CellActors:
     """What a sharded learner trains (with ``sharding``)."""
     sharding: ShardingSettings | None = None
     """With ``ranks_per_cell`` > 1 or ``device='cuda'`` a cell's learner is a
-    ``sharded.ShardedCell`` of ranks over its bundles instead of ``learner_class``."""
+    ``sharded_cell.ShardedCell`` of ranks over its bundles instead of ``learner_class``."""
     batch_of: BatchOf | None = None
     """A sharded learner's Learner connector pipeline (the same pieces ``learner_class``
     runs)."""

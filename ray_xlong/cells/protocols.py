@@ -5,7 +5,7 @@ what recovery and checkpointing may ask of the actuator, and what they need of t
 ```
 Runner        one cell's rollout actor     rllib.cell_actors.CellRunner; tests/cells/fakes.py
 Learner       one cell's Learner actor     rllib.learner.XLongLearner, sharded.LearnerRank (each
-                                           rank; sharded.ShardedCell fans every call out)
+                                           rank; sharded_cell.ShardedCell fans every call out)
 EngineHosting a runner's engines           engines.EngineSet (in process),
                                            engine_actors.EngineActors (one actor per engine)
 JobActions    the actuator's few actions   actuator.RayActuator (recovery, checkpoint use them)

@@ -109,7 +109,7 @@ class RayEdge:
         return reduce_gradients(parts, scheme=scheme)
 
     def kill(self, actor: Any) -> None:
-        from ray_xlong.cells.sharded import kill
+        from ray_xlong.cells.sharded_cell import kill
 
         kill(actor)
 

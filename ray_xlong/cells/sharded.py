@@ -1,7 +1,7 @@
 """A training cell's Learner as ranks of one process group, sharded with FSDP2.
 
 ```
-ShardedCell (driver-side handle; answers the learner calls ElasticLearnerGroup makes)
+ShardedCell (the driver-side handle, ``cells/sharded_cell.py``)
   rank 0 … R-1 = LearnerRank actors, one per bundle (per GPU on CUDA), in the cell's PG
   setup:       rank 0's address ─► init_process_group(gloo | nccl) on every rank (Ray Train's
                torch backend helpers) ─► load model ─► fully_shard(each decoder layer, root)
@@ -26,9 +26,7 @@ placement:     ``sharding.rank_placements`` (each rank holds its bundle's Ray GP
 
 Across cells nothing changes: a cell's gradient is one ``{name: tensor}`` like a single
 Learner's, so the elastic reduction and its membership invariance hold (DESIGN.md 7). Every
-call goes to every rank in the same order (the collectives match); the handle returns rank 0's
-ref, or a ref that fails as soon as any rank failed (a rank lost mid-step fails the cell's
-call at once, not after the survivors' collective times out).
+call goes to every rank in the same order (the collectives match).
 
 ``LearnerRank`` itself needs no Ray (Ray is imported where a call needs it): the torch-only
 device check (``benchmarks/gpu_check.py --torch-only``) runs it in a plain process.
@@ -36,7 +34,6 @@ device check (``benchmarks/gpu_check.py --torch-only``) runs it in a plain proce
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -47,7 +44,7 @@ import torch
 from ray_xlong.cells.collectives import count, gathered
 from ray_xlong.cells.context_parallel import make_groups, rank_share
 from ray_xlong.cells.learner_settings import LearnerSettings
-from ray_xlong.cells.sharding import ShardingError, ShardingSettings, rank_placements
+from ray_xlong.cells.sharding import ShardingError, ShardingSettings
 from ray_xlong.trajectory.loss import policy_loss
 from ray_xlong.trajectory.loss_stats import LearnerStepStats, StepStatsLog, loss_stats
 from ray_xlong.trajectory.model import token_logprobs
@@ -516,176 +513,3 @@ def _decoder_layers(lm: torch.nn.Module) -> list[torch.nn.Module]:
     inner = getattr(lm, "model", None)
     layers = getattr(inner, "layers", None)
     return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
-
-
-def _first(refs: list[Any]) -> Any:
-    """Rank 0's value once every rank's call succeeded; fails with the first rank that fails,
-    as soon as it fails (the refs arrive in a list, so Ray does not wait for all of them)."""
-    import ray
-
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done[0])
-    return ray.get(refs[0])
-
-
-@functools.cache
-def _first_task() -> Any:
-    """:func:`_first` as a Ray task (made on first use: this module imports no Ray)."""
-    import ray
-
-    return ray.remote(num_cpus=0)(_first)
-
-
-class _Method:
-    """``handle.name.remote(*args)``: call ``name`` on every rank in order; one ref back."""
-
-    def __init__(self, ranks: Sequence[Any], name: str, *, wait_all: bool) -> None:
-        self.ranks, self.name, self.wait_all = ranks, name, wait_all
-
-    def remote(self, *args: Any) -> Any:
-        refs = [getattr(r, self.name).remote(*args) for r in self.ranks]
-        return _first_task().remote(refs) if self.wait_all else refs[0]
-
-
-def merge_rank_stats(parts: Sequence[LearnerStepStats | None]) -> LearnerStepStats | None:
-    """One cell's :class:`LearnerStepStats` from its ranks' parts (None: no rank took part)."""
-    out = None
-    for part in parts:
-        if part is not None:
-            out = part if out is None else out.merge_ranks(part)
-    return out
-
-
-def _merged_stats(refs: list[Any]) -> LearnerStepStats | None:
-    import ray
-
-    return merge_rank_stats(ray.get(refs))
-
-
-@functools.cache
-def _merged_stats_task() -> Any:
-    import ray
-
-    return ray.remote(num_cpus=0)(_merged_stats)
-
-
-class _MergedStats:
-    """``cell.take_step_stats.remote(version)``: every rank's part, merged into the cell's."""
-
-    def __get__(self, cell: "ShardedCell | None", owner: type | None = None) -> Any:
-        return self if cell is None else self._Call(cell.ranks)
-
-    class _Call:
-        def __init__(self, ranks: Sequence[Any]) -> None:
-            self.ranks = ranks
-
-        def remote(self, version: int) -> Any:
-            return _merged_stats_task().remote([r.take_step_stats.remote(version)
-                                                for r in self.ranks])
-
-
-class _EveryRank:
-    """A Learner call of a :class:`ShardedCell` (a descriptor named after the method): it goes
-    to every rank; the ref back is rank 0's (``rank0``: state and gradients, which rank 0
-    alone holds whole) or one that fails when any rank failed (steps, loads)."""
-
-    def __init__(self, *, rank0: bool = False) -> None:
-        self.wait_all = not rank0
-        self.name = ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, cell: ShardedCell | None, owner: type | None = None) -> Any:
-        return self if cell is None else _Method(cell.ranks, self.name, wait_all=self.wait_all)
-
-
-class ShardedCell:
-    """A cell's Learner ranks behind the one-learner interface: every ``protocols.Learner``
-    call (and ``xlong_metrics``, ``__ray_ready__``) goes to every rank (:class:`_EveryRank`)."""
-
-    take_gradients = _EveryRank(rank0=True)
-    reduce_step = _EveryRank()
-    send_state = _EveryRank()
-    get_weights = _EveryRank(rank0=True)
-    get_xlong_state = _EveryRank(rank0=True)
-    build = _EveryRank()
-    accumulate = _EveryRank()
-    accumulate_runs = _EveryRank()
-    apply_step = _EveryRank()
-    send_weights = _EveryRank()
-    set_xlong_state = _EveryRank()
-    wake_up = _EveryRank()
-    sleep = _EveryRank()
-    take_step_stats = _MergedStats()
-    xlong_metrics = _EveryRank()
-    save_checkpoint = _EveryRank()
-    wait_checkpoint = _EveryRank()
-    load_checkpoint = _EveryRank()
-    export_hf = _EveryRank()
-    __ray_ready__ = _EveryRank()
-
-    def __init__(self, ranks: Sequence[Any]) -> None:
-        self.ranks = list(ranks)
-
-    def __len__(self) -> int:
-        return len(self.ranks)
-
-    def kill(self) -> None:
-        """Stop every rank."""
-        import ray
-
-        for r in self.ranks:
-            ray.kill(r, no_restart=True)
-
-
-def kill(actor: Any) -> None:
-    """``ray.kill(actor, no_restart=True)``, or every rank of a :class:`ShardedCell`."""
-    import ray
-
-    if isinstance(actor, ShardedCell):
-        actor.kill()
-    else:
-        ray.kill(actor, no_restart=True)
-
-
-def start_sharded_cell(*, pg: Any, settings: LearnerSettings, sharding: ShardingSettings,
-                       nodes_per_cell: int, gpus_per_node: int,
-                       held_gpu_ids: Sequence[Sequence[str]] = (),
-                       cpus_per_rank: float = 0.0,
-                       batch_of: BatchOf | None = None) -> ShardedCell:
-    """Start ``sharding.ranks_per_cell`` ranks on the bundles of ``pg`` (the same number on
-    each, placed by ``sharding.rank_placements``: on CUDA one device per rank, the ranks of a
-    bundle whose GPUs the rollout side holds pinned to ``held_gpu_ids`` of that bundle), form
-    their process group and shard the model. Returns at once: ``handle.build.remote()``
-    resolves when every rank is set up.
-    ``batch_of(run_ids, advantages, payloads)`` → module-batch tensors is the Learner connector
-    pipeline ``accumulate_runs`` runs (the RLlib adapter hands in
-    ``rllib.learner.ConnectorBatches``: this package imports no RLlib).
-
-    Raises:
-        ShardingError: the layout cannot host the ranks (``sharding.rank_placements``).
-    """
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    world = sharding.ranks_per_cell
-    places = rank_placements(sharding, nodes_per_cell=nodes_per_cell,
-                             gpus_per_node=gpus_per_node, held_gpu_ids=held_gpu_ids)
-    ranks = []
-    for p in places:
-        env = {} if p.visible_devices is None else {
-            "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": p.visible_devices}}}
-        ranks.append(ray.remote(LearnerRank).options(
-            num_cpus=cpus_per_rank, num_gpus=p.num_gpus, **env,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=p.bundle) if pg is not None else "DEFAULT",
-        ).remote(settings=settings, sharding=sharding, rank=p.rank, world_size=world,
-                 batch_of=batch_of))
-    addr, port = ray.get(ranks[0].address.remote())
-    setups = [r.setup.remote(addr, port) for r in ranks]
-    cell = ShardedCell(ranks)
-    cell.setup_refs = setups
-    return cell

@@ -23,7 +23,7 @@ import torch
 from ray_xlong.cells.config import CellJobConfig, LearnerSettings
 from ray_xlong.cells.layout import CellLayout
 from ray_xlong.cells.long_horizon_job import TASK_NAME, LongHorizonJob
-from ray_xlong.cells.sharded import ShardedCell
+from ray_xlong.cells.sharded_cell import ShardedCell
 from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.cells.spool import RunSpool
 from ray_xlong.cells.actuator import RayActuator

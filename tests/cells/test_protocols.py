@@ -15,7 +15,8 @@ from ray_xlong.cells.pool import CellPool
 from ray_xlong.cells.protocols import (CellHost, EngineHosting, JobActions, Learner, Runner,
                                        conformance, members)
 from ray_xlong.cells.ray_edge import RayCalls, RayEdge
-from ray_xlong.cells.sharded import LearnerRank, ShardedCell
+from ray_xlong.cells.sharded import LearnerRank
+from ray_xlong.cells.sharded_cell import ShardedCell
 
 
 @pytest.mark.parametrize("impl, protocol", [

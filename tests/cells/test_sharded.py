@@ -14,7 +14,8 @@ from ray.rllib.connectors.connector_v2 import ConnectorV2
 
 from ray_xlong.cells.config import LearnerSettings
 from ray_xlong.cells.learner_group import ElasticLearnerGroup
-from ray_xlong.cells.sharded import rank_rows, start_sharded_cell
+from ray_xlong.cells.sharded import rank_rows
+from ray_xlong.cells.sharded_cell import start_sharded_cell
 from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.models import load_model
 from ray_xlong.rllib.connector import ADVANTAGES_KEY

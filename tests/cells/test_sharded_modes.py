@@ -15,7 +15,7 @@ from ray_xlong.cells.config import CellJobConfig, LearnerSettings
 from ray_xlong.cells.long_horizon_job import LongHorizonJob
 from ray_xlong.cells.metrics import check_invariants
 from ray_xlong.cells.layout import CellLayout
-from ray_xlong.cells.sharded import ShardedCell
+from ray_xlong.cells.sharded_cell import ShardedCell
 from ray_xlong.cells.sharding import ShardingError, ShardingSettings
 from ray_xlong.models import build_tiny_model_dir
 from ray_xlong.rollout import HarnessConfig

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 from algo_helpers import small_config  # noqa: E402
-from ray_xlong.cells.sharded import ShardedCell  # noqa: E402
+from ray_xlong.cells.sharded_cell import ShardedCell  # noqa: E402
 from ray_xlong.cells.sharding import ShardingSettings  # noqa: E402
 from ray_xlong.rollout.engine_settings import EngineSettings  # noqa: E402
 
