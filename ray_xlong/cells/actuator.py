@@ -246,8 +246,13 @@ class RayActuator:
             try:
                 value = s.ray.get(ref)
             except s.ray.Error as exc:
-                if p.kind == "switch" and transfer_broke(exc):   # its holder's end was lost
-                    self.recovery.transfer_broke(p.cell, str(exc))
+                if p.kind == "switch" and (transfer_broke(exc) or s.ray.lost(exc)) \
+                        and s.ray.alive(self.cells[p.cell].learner) \
+                        and s.ray.alive(self.cells[p.cell].runner):
+                    # both actors alive: the state it woke up to did not arrive (a holder's end
+                    # of the transfer, or the object-store copy, went with a node)
+                    self.recovery.switch_failed(p.cell, str(exc),
+                                                copies_lost=not transfer_broke(exc))
                     continue
                 if not s.ray.lost(exc):
                     raise CellActorDied(f"cell {p.cell}: {p.kind} failed: {exc}") from exc

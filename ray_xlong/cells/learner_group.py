@@ -236,6 +236,13 @@ class ElasticLearnerGroup:
         if self._weights is not None and self._made_on["weights"] == cell:
             self._weights = None
 
+    def forget_copies(self) -> None:
+        """The object-store copies of the state and weights may be lost (a load of one failed,
+        its node unknown): both are made again from a live holder, else from
+        ``state_source``, when next asked for."""
+        self.kept = None
+        self._weights = None
+
     def _live_holder(self) -> int | None:
         """A cell whose learner holds the current version and is alive (idle ones and the lead
         first; one found dead stops counting as a holder), or None."""
@@ -283,7 +290,7 @@ class ElasticLearnerGroup:
 
     def transfer_failed(self, cell: int) -> None:
         """``cell``'s state transfer from its holder broke: their group is made anew next
-        time (the cell's Learner is replaced: ``Recovery.transfer_broke``)."""
+        time (the cell's Learner is replaced: ``Recovery.switch_failed``)."""
         pair = self._transfers.pop(cell, None)
         if pair is not None and self._rendezvous() is not None:
             self.ray.peer_groups().failed("state", pair)

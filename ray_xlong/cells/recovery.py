@@ -109,15 +109,18 @@ class Recovery:
                 raise
             self.recover(cell, f"{why}; lost again while rebuilding", attempt=attempt + 1)
 
-    def transfer_broke(self, cell: int, why: str) -> None:
-        """``cell``'s Learner woke up to join a step, but the state it was loading from a holder
-        never arrived whole (the holder's node went mid-way): it is stopped — a sharded cell's
-        ranks may differ in what they loaded — and rebuilt on the state of a live holder, or
-        the last checkpoint, as when a Learner dies (no driver restart)."""
+    def switch_failed(self, cell: int, why: str, *, copies_lost: bool) -> None:
+        """``cell``'s Learner woke up to join a step, but the state it was to load never arrived
+        whole: a holder's end of the peer transfer was lost mid-way, or (``copies_lost``) the
+        object-store copy it loaded went with a node. The Learner is stopped — a sharded cell's
+        ranks may differ in what they loaded — and rebuilt on the state of a live holder, or the
+        last checkpoint, as when a Learner dies (the driver goes on)."""
         s = self.state
         s.learners.transfer_failed(cell)
+        if copies_lost:
+            s.learners.forget_copies()
         s.ray.kill(s.cells[cell].learner)
-        self.recover(cell, f"switch failed: its state transfer broke ({why})")
+        self.recover(cell, f"switch failed: its state did not arrive ({why})")
 
     def _dead(self, cell: int, why: str) -> tuple[bool, bool]:
         """(runner dead, learner dead); looks twice, since a failure that came through a

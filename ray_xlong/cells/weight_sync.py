@@ -57,6 +57,7 @@ import dataclasses
 import datetime
 import os
 import pickle
+import threading
 import time
 from typing import Any, Callable, Iterator, Mapping
 
@@ -317,15 +318,48 @@ class SyncGroups:
 
 
 def _make_group(spec: SyncSpec) -> tuple[Any, Any]:
-    """A ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` of ``spec`` on the driver's store."""
+    """A ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` of ``spec`` on the driver's store.
+
+    Raises:
+        SyncTimeout: a gloo group's members did not all connect within ``spec.timeout_s`` (a
+            member lost after it published its address: gloo's own connect can wait on it
+            far longer, holding this actor — and every call queued behind it — meanwhile).
+    """
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     store = dist.PrefixStore(spec.key, dist.TCPStore(spec.host, spec.port, None, False, timeout))
     if spec.backend != "nccl":
-        return dist.ProcessGroupGloo(store, spec.rank, spec.world, timeout), store
+        return _bounded(lambda: dist.ProcessGroupGloo(store, spec.rank, spec.world, timeout),
+                        spec), store
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout * NCCL_TIMEOUT_FACTOR
     with _nccl_keeps_process():
         return dist.ProcessGroupNCCL(store, spec.rank, spec.world, opts), store
+
+
+def _bounded(make: Callable[[], Any], spec: SyncSpec, *, margin_s: float = 5.0) -> Any:
+    """``make()`` (a group's creation) in a thread, waited for ``spec.timeout_s`` + ``margin_s``;
+    a group that connects after that is aborted where it was made."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    gave_up = threading.Event()
+
+    def run() -> None:
+        try:
+            box["group"] = make()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            box["error"] = exc
+        done.set()
+        if gave_up.is_set() and "group" in box:
+            abort_group(box["group"])
+
+    threading.Thread(target=run, name=f"group-{spec.key}", daemon=True).start()
+    if not done.wait(spec.timeout_s + margin_s):
+        gave_up.set()
+        raise SyncTimeout(f"process group {spec.key}: rank {spec.rank} of {spec.world} not "
+                          f"connected after {spec.timeout_s + margin_s:g} s (a member lost?)")
+    if "error" in box:
+        raise box["error"]
+    return box["group"]
 
 
 def sync_groups(owner: Any, name: str = "weights", *, limit: int | None = None

@@ -317,7 +317,33 @@ def test_a_joiners_broken_state_transfer_rebuilds_its_learner_not_the_driver(tmp
     job = FakeJob.make(fake_config(tmp_path, steps=5))
     result = job.actuator().run()
     assert broke, "no cell joined a step behind"
-    (f,) = [f for f in result.faults if "state transfer broke" in f.why]
+    (f,) = [f for f in result.faults if "state did not arrive" in f.why]
     assert f.kind == "learner" and not f.retired
     assert job.pool.actors_replaced == 1
+    audit(job, result)
+
+
+def test_a_joiners_lost_state_copy_rebuilds_its_learner_on_a_fresh_copy(tmp_path, monkeypatch):
+    """The object-store copy of the state a joining cell loads went with a node (Ray:
+    ``ObjectReconstructionFailedError`` in ``wake_up``), both of the cell's actors alive. The
+    copies are forgotten and made again from a live holder; the joiner's Learner is rebuilt on
+    one — before, recovery found both actors alive and failed the driver."""
+    from fakes import FakeLearner, FakeObjectLost
+
+    lost = []
+    wake_up = FakeLearner.wake_up
+
+    def losing(self, state=None, after=None):
+        if state is not None and int(state["version"]) != self.version and not lost:
+            lost.append(self.version)
+            raise FakeObjectLost("the state's copy was lost with its node")
+        return wake_up(self, state, after)
+
+    monkeypatch.setattr(FakeLearner, "wake_up", losing)
+    job = FakeJob.make(fake_config(tmp_path, steps=5))
+    act = job.actuator()
+    result = act.run()
+    assert lost, "no cell joined a step behind"
+    (f,) = [f for f in result.faults if "state did not arrive" in f.why]
+    assert f.kind == "learner" and not f.retired
     audit(job, result)

@@ -247,3 +247,34 @@ def test_sync_groups_helper_makes_one_per_owner():
     a, b = Owner(), Owner()
     assert isinstance(sync_groups(a), SyncGroups)
     assert sync_groups(a) is sync_groups(a) and sync_groups(a) is not sync_groups(b)
+
+
+def test_a_group_whose_member_never_connects_is_given_up_within_its_timeout():
+    """gloo's own connect can wait far past the group's timeout on a member that published its
+    address and died; the creation is bounded (the actor, and every call queued behind it, is
+    free again), and a group that connects late is aborted where it was made."""
+    import threading
+    import time
+
+    from ray_xlong.cells.weight_sync import SyncSpec, SyncTimeout, _bounded
+
+    spec = SyncSpec("1/0/1", "127.0.0.1", 0, 0, 2, timeout_s=0.2)
+    release, aborted = threading.Event(), threading.Event()
+
+    class LateGroup:
+        def abort(self):
+            aborted.set()
+
+    def connect_late():
+        release.wait(10)
+        return LateGroup()
+
+    t = time.monotonic()
+    with pytest.raises(SyncTimeout, match=r"rank 0 of 2 not connected after 0.3 s"):
+        _bounded(connect_late, spec, margin_s=0.1)
+    assert time.monotonic() - t < 5
+    release.set()
+    assert aborted.wait(5), "the group that connected late was not aborted"
+    assert _bounded(lambda: "group", spec) == "group"
+    with pytest.raises(ValueError, match="refused"):
+        _bounded(lambda: (_ for _ in ()).throw(ValueError("refused")), spec)
