@@ -9,9 +9,9 @@ The job (elastic, ``--cells`` cells, one worker node each, a head node without G
 driver; the warm-started tiny policy of the local RL recipe, ``--groups`` × ``--runs-per-group``
 runs per step, Adam at ``--lr``, checkpoints every ``--checkpoint-every`` steps and a run
 spool) runs in a driver process (``python -m benchmarks.tools.faults --chaos``). Its length is
-set to last about M minutes (``--step-s``: the expected seconds per step). The schedule: from the first checkpoint
-on, every uniform(``--gap-min``, ``--gap-max``) seconds until M minutes are over, one fault of a
-seeded random kind (``--kinds``):
+set to last about M minutes (``--step-s``: the expected seconds per step). The schedule: from
+the first checkpoint on, every uniform(``--gap-min``, ``--gap-max``) seconds until M minutes are
+over, one fault of a seeded random kind (``--kinds``):
 
     runner    a runner actor killed (``ray.kill``), by the driver process when due
     learner   a Learner actor killed (a step member mid micro-batch when there is one)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
