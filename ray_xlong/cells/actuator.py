@@ -246,14 +246,15 @@ class RayActuator:
             try:
                 value = s.ray.get(ref)
             except s.ray.Error as exc:
-                if p.kind == "switch" and (transfer_broke(exc) or s.ray.lost(exc)) \
-                        and s.ray.alive(self.cells[p.cell].learner) \
-                        and s.ray.alive(self.cells[p.cell].runner):
-                    # both actors alive: the state it woke up to did not arrive (a holder's end
-                    # of the transfer, or the object-store copy, went with a node)
-                    self.recovery.switch_failed(p.cell, str(exc),
-                                                copies_lost=not transfer_broke(exc))
-                    continue
+                if p.kind == "switch":    # its Learner did not load the step's state
+                    s.learners.wake_failed(p.cell)
+                    broke = transfer_broke(exc)
+                    if broke or (s.ray.lost(exc) and s.ray.alive(self.cells[p.cell].learner)
+                                 and s.ray.alive(self.cells[p.cell].runner)):
+                        # a holder's end of the transfer, or the object-store copy it loaded,
+                        # went with a node
+                        self.recovery.switch_failed(p.cell, str(exc), copies_lost=not broke)
+                        continue
                 if not s.ray.lost(exc):
                     raise CellActorDied(f"cell {p.cell}: {p.kind} failed: {exc}") from exc
                 if p.kind == "eval":  # recovered through the runner's other refs; its
@@ -261,7 +262,7 @@ class RayActuator:
                 if p.kind == "micro" and s.ray.alive(self.cells[p.cell].learner):
                     self._train_again(p.cell)  # its runs' payload went with a node
                     continue
-                self.recovery.recover(p.cell, f"{p.kind} failed")
+                self.recovery.recover(p.cell, f"{p.kind} failed", failed=p.kind)
                 continue
             getattr(self, f"_on_{p.kind}")(p, value)
 

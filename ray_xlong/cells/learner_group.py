@@ -181,6 +181,8 @@ class ElasticLearnerGroup:
         """States a joining cell loaded from a holder, peer to peer."""
         self._transfers: dict[int, tuple[int, int]] = {}
         """(holder, joiner) of each joiner's last peer-to-peer state transfer."""
+        self._before_join: dict[int, int] = {}
+        """The version a cell's Learner held when it joined the step behind (until it sleeps)."""
 
     # -- where the current state lives (the driver holds refs only) ----------------------------
     def holders(self) -> list[int]:
@@ -285,8 +287,20 @@ class ElasticLearnerGroup:
                 self._transfers[cell] = (source[0], cell)
         self.members.append(cell)
         self.held.setdefault(cell, [])
+        if state is not None:
+            self._before_join[cell] = self.learner_version[cell]
+        else:
+            self._before_join.pop(cell, None)
         self.learner_version[cell] = self.version
         return self.learners[cell].wake_up.remote(state, after)
+
+    def wake_failed(self, cell: int) -> None:
+        """``cell``'s wake-up into the step failed (``join`` counted it a holder of the step's
+        version at once): its Learner still holds what it held before (a state that did not
+        arrive loads nothing; a lost dependency means the call never ran), so the next join
+        brings the state along if it was behind."""
+        if cell in self._before_join:
+            self.learner_version[cell] = self._before_join.pop(cell)
 
     def transfer_failed(self, cell: int) -> None:
         """``cell``'s state transfer from its holder broke: their group is made anew next
@@ -456,6 +470,7 @@ class ElasticLearnerGroup:
 
     def sleep(self, cell: int):
         """Put ``cell``'s learner to sleep (it lends memory to the engine). Returns a ref."""
+        self._before_join.pop(cell, None)     # its wake-up went through
         return self.learners[cell].sleep.remote()
 
     def _gradient(self, ref: Any) -> Any:

@@ -91,10 +91,12 @@ class Recovery:
                         raise
         return {s.pending.pop(r).kind for r in drop}
 
-    def recover(self, cell: int, why: str, *, attempt: int = 0) -> None:
+    def recover(self, cell: int, why: str, *, attempt: int = 0, failed: str | None = None
+                ) -> None:
         """An actor of ``cell`` died: rebuild in place, or retire the cell when its placement
         group lost its node. A loss during the rebuild starts it again (three attempts, then
-        the cell is retired)."""
+        the cell is retired). ``failed``: the kind of the call whose failure told (taken off
+        the pending calls already: redone like the ones the death voids)."""
         s = self.state
         if cell in s.retired:
             return
@@ -103,11 +105,12 @@ class Recovery:
             self.retire(cell, f"{why}; rebuild failed {attempt} times", time.perf_counter())
             return
         try:
-            self._recover_once(cell, why)
+            self._recover_once(cell, why, failed)
         except s.ray.Error as exc:
             if not s.ray.lost(exc):
                 raise
-            self.recover(cell, f"{why}; lost again while rebuilding", attempt=attempt + 1)
+            self.recover(cell, f"{why}; lost again while rebuilding", attempt=attempt + 1,
+                         failed=failed)
 
     def switch_failed(self, cell: int, why: str, *, copies_lost: bool) -> None:
         """``cell``'s Learner woke up to join a step, but the state it was to load never arrived
@@ -120,7 +123,7 @@ class Recovery:
         if copies_lost:
             s.learners.forget_copies()
         s.ray.kill(s.cells[cell].learner)
-        self.recover(cell, f"switch failed: its state did not arrive ({why})")
+        self.recover(cell, f"switch failed: its state did not arrive ({why})", failed="switch")
 
     def _dead(self, cell: int, why: str) -> tuple[bool, bool]:
         """(runner dead, learner dead); looks twice, since a failure that came through a
@@ -135,7 +138,7 @@ class Recovery:
                 time.sleep(1.0)
         raise CellActorDied(f"cell {cell}: {why}, but both actors are alive")
 
-    def _recover_once(self, cell: int, why: str) -> None:
+    def _recover_once(self, cell: int, why: str, failed: str | None = None) -> None:
         s = self.state
         t0, now = time.perf_counter(), s.now()
         runner_dead, learner_dead = self._dead(cell, why)
@@ -144,7 +147,7 @@ class Recovery:
             return
         what = "both" if runner_dead and learner_dead else "runner" if runner_dead else "learner"
         s.m.cell_lost(cell, what, now)
-        dropped = set()
+        dropped = {failed} if failed else set()
         if runner_dead:
             dropped |= self.drop_pending(cell, RUNNER_KINDS)
         if learner_dead:

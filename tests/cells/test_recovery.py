@@ -347,3 +347,30 @@ def test_a_joiners_lost_state_copy_rebuilds_its_learner_on_a_fresh_copy(tmp_path
     (f,) = [f for f in result.faults if "state did not arrive" in f.why]
     assert f.kind == "learner" and not f.retired
     audit(job, result)
+
+
+def test_a_switch_that_fails_with_its_runner_leaves_the_learner_behind_and_reloads_it(tmp_path):
+    """A cell joins a step behind and its runner dies during the switch: the Learner's wake-up
+    (chained on the runner's suspend) never runs, so it still holds its old version. The join
+    had counted it a holder of the new one; the failed switch takes that back, and the rejoin
+    brings the state along — else the cell trains on old weights and the step fails on the
+    Learner's version check."""
+    job = FakeJob.make(fake_config(tmp_path, steps=5))
+    act = job.actuator()
+    s = act.state
+
+    def kill_a_behind_joiners_runner(a):
+        g = a.learners
+        if g is None or g.version < 1:
+            return None
+        for ref, p in list(s.pending.items()):
+            if p.kind == "switch" and p.cell in g._before_join:
+                a.cells[p.cell].runner.kill()
+                return p.cell
+        return None
+
+    act.injector = OnceWhen(kill_a_behind_joiners_runner)
+    result = act.run()
+    assert act.injector.fired is not None, "no cell joined a step behind"
+    assert [f.kind for f in result.faults if f.cell == act.injector.fired][:1] == ["runner"]
+    audit(job, result)
