@@ -374,3 +374,28 @@ def test_a_switch_that_fails_with_its_runner_leaves_the_learner_behind_and_reloa
     assert act.injector.fired is not None, "no cell joined a step behind"
     assert [f.kind for f in result.faults if f.cell == act.injector.fired][:1] == ["runner"]
     audit(job, result)
+
+
+def test_a_sync_that_fails_with_its_learner_is_redone_on_the_rebuilt_learner(tmp_path):
+    """A cell goes back to rollout (its runner loads the new weights once its Learner slept)
+    and the Learner dies meanwhile: the sync, chained on the Learner's sleep, fails. The
+    Learner is rebuilt and the sync redone — the cell serves the new weights, and its runs'
+    tokens stay within the staleness bound."""
+    job = FakeJob.make(fake_config(tmp_path, steps=5))
+    act = job.actuator()
+    s = act.state
+
+    def kill_a_syncing_cells_learner(a):
+        if a.learners is None or a.learners.version < 1:
+            return None
+        for ref, p in list(s.pending.items()):
+            if p.kind == "sync":
+                a.cells[p.cell].learner.kill()
+                return p.cell
+        return None
+
+    act.injector = OnceWhen(kill_a_syncing_cells_learner)
+    result = act.run()
+    assert act.injector.fired is not None, "no cell synced"
+    assert [f.kind for f in result.faults if f.cell == act.injector.fired][:1] == ["learner"]
+    audit(job, result)
