@@ -50,9 +50,11 @@ class FaultRecord:
     kind: str
     """``runner`` / ``learner`` / ``both`` (an actor rebuilt in place, or both), ``node`` (the
     cell retired with its node), ``node_returned`` (a retired cell rebuilt), ``driver`` (a new
-    driver resumed from a checkpoint) or ``state`` (every holder of the state lost: the last
+    driver resumed from a checkpoint), ``state`` (every holder of the state lost: the last
     checkpoint reloaded and the steps since replayed from the spool; ``runs_from_spool`` = runs
-    replayed)."""
+    replayed) or ``transfer`` (a joining cell's state did not arrive — its holder's node lost
+    mid-transfer, or its object-store copy — so its Learner was rebuilt: the consequence of
+    another loss, not a loss of its own)."""
     cell: int
     """The cell (-1: ``driver``)."""
     why: str

@@ -91,12 +91,14 @@ class Recovery:
                         raise
         return {s.pending.pop(r).kind for r in drop}
 
-    def recover(self, cell: int, why: str, *, attempt: int = 0, failed: str | None = None
-                ) -> None:
+    def recover(self, cell: int, why: str, *, attempt: int = 0, failed: str | None = None,
+                transfer: bool = False) -> None:
         """An actor of ``cell`` died: rebuild in place, or retire the cell when its placement
         group lost its node. A loss during the rebuild starts it again (three attempts, then
         the cell is retired). ``failed``: the kind of the call whose failure told (taken off
-        the pending calls already: redone like the ones the death voids)."""
+        the pending calls already: redone like the ones the death voids). ``transfer``: the
+        Learner was stopped because its state did not arrive (recorded as ``transfer`` when
+        nothing else died)."""
         s = self.state
         if cell in s.retired:
             return
@@ -105,12 +107,12 @@ class Recovery:
             self.retire(cell, f"{why}; rebuild failed {attempt} times", time.perf_counter())
             return
         try:
-            self._recover_once(cell, why, failed)
+            self._recover_once(cell, why, failed, transfer)
         except s.ray.Error as exc:
             if not s.ray.lost(exc):
                 raise
             self.recover(cell, f"{why}; lost again while rebuilding", attempt=attempt + 1,
-                         failed=failed)
+                         failed=failed, transfer=transfer)
 
     def switch_failed(self, cell: int, why: str, *, copies_lost: bool) -> None:
         """``cell``'s Learner woke up to join a step, but the state it was to load never arrived
@@ -123,7 +125,8 @@ class Recovery:
         if copies_lost:
             s.learners.forget_copies()
         s.ray.kill(s.cells[cell].learner)
-        self.recover(cell, f"switch failed: its state did not arrive ({why})", failed="switch")
+        self.recover(cell, f"switch failed: its state did not arrive ({why})", failed="switch",
+                     transfer=True)
 
     def _dead(self, cell: int, why: str) -> tuple[bool, bool]:
         """(runner dead, learner dead); looks twice, since a failure that came through a
@@ -138,7 +141,8 @@ class Recovery:
                 time.sleep(1.0)
         raise CellActorDied(f"cell {cell}: {why}, but both actors are alive")
 
-    def _recover_once(self, cell: int, why: str, failed: str | None = None) -> None:
+    def _recover_once(self, cell: int, why: str, failed: str | None = None,
+                      transfer: bool = False) -> None:
         s = self.state
         t0, now = time.perf_counter(), s.now()
         runner_dead, learner_dead = self._dead(cell, why)
@@ -168,8 +172,8 @@ class Recovery:
             self.retire(cell, why, t0)
             return
         s.m.log.append(Event(s.now(), "cell_rebuilt", cell=cell))
-        self._record(what, cell, now, t0, why=why, rerun=rerun, from_spool=from_spool,
-                     redone=redone)
+        self._record("transfer" if transfer and what == "learner" else what, cell, now, t0,
+                     why=why, rerun=rerun, from_spool=from_spool, redone=redone)
 
     def take_over_runs(self, cell: int) -> tuple[int, int]:
         """A fresh runner on ``cell``: its live runs that ended into the spool are delivered

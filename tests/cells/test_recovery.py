@@ -318,7 +318,7 @@ def test_a_joiners_broken_state_transfer_rebuilds_its_learner_not_the_driver(tmp
     result = job.actuator().run()
     assert broke, "no cell joined a step behind"
     (f,) = [f for f in result.faults if "state did not arrive" in f.why]
-    assert f.kind == "learner" and not f.retired
+    assert f.kind == "transfer" and not f.retired
     assert job.pool.actors_replaced == 1
     audit(job, result)
 
@@ -345,7 +345,7 @@ def test_a_joiners_lost_state_copy_rebuilds_its_learner_on_a_fresh_copy(tmp_path
     result = act.run()
     assert lost, "no cell joined a step behind"
     (f,) = [f for f in result.faults if "state did not arrive" in f.why]
-    assert f.kind == "learner" and not f.retired
+    assert f.kind == "transfer" and not f.retired
     audit(job, result)
 
 
