@@ -37,25 +37,6 @@ def _first(refs: list[Any]) -> Any:
     return ray.get(refs[0])
 
 
-@functools.cache
-def _first_task() -> Any:
-    """:func:`_first` as a Ray task (made on first use: this module imports no Ray)."""
-    import ray
-
-    return ray.remote(num_cpus=0)(_first)
-
-
-class _Method:
-    """``handle.name.remote(*args)``: call ``name`` on every rank in order; one ref back."""
-
-    def __init__(self, ranks: Sequence[Any], name: str, *, wait_all: bool) -> None:
-        self.ranks, self.name, self.wait_all = ranks, name, wait_all
-
-    def remote(self, *args: Any) -> Any:
-        refs = [getattr(r, self.name).remote(*args) for r in self.ranks]
-        return _first_task().remote(refs) if self.wait_all else refs[0]
-
-
 def merge_rank_stats(parts: Sequence[LearnerStepStats | None]) -> LearnerStepStats | None:
     """One cell's :class:`LearnerStepStats` from its ranks' parts (None: no rank took part)."""
     out = None
@@ -65,50 +46,48 @@ def merge_rank_stats(parts: Sequence[LearnerStepStats | None]) -> LearnerStepSta
     return out
 
 
-def _merged_stats(refs: list[Any]) -> LearnerStepStats | None:
+def _merged(refs: list[Any]) -> LearnerStepStats | None:
+    """Every rank's step statistics, merged into the cell's (:func:`merge_rank_stats`)."""
     import ray
 
     return merge_rank_stats(ray.get(refs))
 
 
 @functools.cache
-def _merged_stats_task() -> Any:
+def _task(fn: Any) -> Any:
+    """``fn`` as a Ray task (made on first use: this module imports no Ray at import time)."""
     import ray
 
-    return ray.remote(num_cpus=0)(_merged_stats)
+    return ray.remote(num_cpus=0)(fn)
 
 
-class _MergedStats:
-    """``cell.take_step_stats.remote(version)``: every rank's part, merged into the cell's."""
+class _Method:
+    """``handle.name.remote(*args)``: call ``name`` on every rank in order; one ref back: rank
+    0's (``combine`` None), or ``combine``'s over every rank's refs, as a task."""
 
-    def __get__(self, cell: "ShardedCell | None", owner: type | None = None) -> Any:
-        return self if cell is None else self._Call(cell.ranks)
+    def __init__(self, ranks: Sequence[Any], name: str, combine: Any) -> None:
+        self.ranks, self.name, self.combine = ranks, name, combine
 
-    class _Call:
-        name = "take_step_stats"
-
-        def __init__(self, ranks: Sequence[Any]) -> None:
-            self.ranks = ranks
-
-        def remote(self, version: int) -> Any:
-            return _merged_stats_task().remote([r.take_step_stats.remote(version)
-                                                for r in self.ranks])
+    def remote(self, *args: Any) -> Any:
+        refs = [getattr(r, self.name).remote(*args) for r in self.ranks]
+        return refs[0] if self.combine is None else _task(self.combine).remote(refs)
 
 
 class _EveryRank:
     """A Learner call of a :class:`ShardedCell` (a descriptor named after the method): it goes
     to every rank; the ref back is rank 0's (``rank0``: state and gradients, which rank 0
-    alone holds whole) or one that fails when any rank failed (steps, loads)."""
+    alone holds whole), the ranks' parts merged (``merge``: step statistics), or one that
+    fails when any rank failed (steps, loads)."""
 
-    def __init__(self, *, rank0: bool = False) -> None:
-        self.wait_all = not rank0
+    def __init__(self, *, rank0: bool = False, merge: bool = False) -> None:
+        self.combine = None if rank0 else _merged if merge else _first
         self.name = ""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
     def __get__(self, cell: ShardedCell | None, owner: type | None = None) -> Any:
-        return self if cell is None else _Method(cell.ranks, self.name, wait_all=self.wait_all)
+        return self if cell is None else _Method(cell.ranks, self.name, self.combine)
 
 
 class ShardedCell:
@@ -128,7 +107,7 @@ class ShardedCell:
     set_xlong_state = _EveryRank()
     wake_up = _EveryRank()
     sleep = _EveryRank()
-    take_step_stats = _MergedStats()
+    take_step_stats = _EveryRank(merge=True)
     xlong_metrics = _EveryRank()
     save_checkpoint = _EveryRank()
     wait_checkpoint = _EveryRank()

@@ -293,6 +293,38 @@ def test_a_returned_cell_whose_state_load_is_lost_every_time_fails_after_three_t
     assert act.recovery.lost_rebuilds[act.injector.fired] == 3
 
 
+def _fail_the_first_wake_up_behind(monkeypatch, error: Exception) -> list[int]:
+    """The first wake-up that brings a state (a cell joining behind) raises ``error`` instead;
+    returns a list that gets that Learner's version once it fired."""
+    from fakes import FakeLearner
+
+    fired: list[int] = []
+    wake_up = FakeLearner.wake_up
+
+    def failing(self, state=None, after=None):
+        if state is not None and int(state["version"]) != self.version and not fired:
+            fired.append(self.version)
+            raise error
+        return wake_up(self, state, after)
+
+    monkeypatch.setattr(FakeLearner, "wake_up", failing)
+    return fired
+
+
+def _kill_at_the_first_pending(kind: str, actor: str, also=lambda a, p: True):
+    """An injector action: once a step applied, kill ``actor`` (runner / learner) of the
+    first cell with a pending call of ``kind`` (and ``also(actuator, pending)``); returns it."""
+    def action(a):
+        if a.learners is None or a.learners.version < 1:
+            return None
+        for p in list(a.state.pending.values()):
+            if p.kind == kind and also(a, p):
+                getattr(a.cells[p.cell], actor).kill()
+                return p.cell
+        return None
+    return action
+
+
 def test_a_joiners_broken_state_transfer_rebuilds_its_learner_not_the_driver(tmp_path,
                                                                               monkeypatch):
     """A cell joins a step behind: its Learner loads the state from a holder, and the holder's
@@ -300,20 +332,10 @@ def test_a_joiners_broken_state_transfer_rebuilds_its_learner_not_the_driver(tmp
     alive, its state unchanged (or, sharded, partly loaded): it is stopped and rebuilt on the
     state of a live holder, the step goes on — before, the driver failed (CellActorDied) and a
     new one resumed from the checkpoint."""
-    from fakes import FakeLearner
     from ray_xlong.cells.collectives import PeerTransferError
 
-    broke = []
-    wake_up = FakeLearner.wake_up
-
-    def breaking(self, state=None, after=None):
-        if state is not None and int(state["version"]) != self.version and not broke:
-            broke.append(self.version)
-            raise PeerTransferError("the state of version 2 from its holder did not arrive: "
-                                    "Connection closed by peer")
-        return wake_up(self, state, after)
-
-    monkeypatch.setattr(FakeLearner, "wake_up", breaking)
+    broke = _fail_the_first_wake_up_behind(monkeypatch, PeerTransferError(
+        "the state of version 2 from its holder did not arrive: Connection closed by peer"))
     job = FakeJob.make(fake_config(tmp_path, steps=5))
     result = job.actuator().run()
     assert broke, "no cell joined a step behind"
@@ -328,21 +350,12 @@ def test_a_joiners_lost_state_copy_rebuilds_its_learner_on_a_fresh_copy(tmp_path
     ``ObjectReconstructionFailedError`` in ``wake_up``), both of the cell's actors alive. The
     copies are forgotten and made again from a live holder; the joiner's Learner is rebuilt on
     one — before, recovery found both actors alive and failed the driver."""
-    from fakes import FakeLearner, FakeObjectLost
+    from fakes import FakeObjectLost
 
-    lost = []
-    wake_up = FakeLearner.wake_up
-
-    def losing(self, state=None, after=None):
-        if state is not None and int(state["version"]) != self.version and not lost:
-            lost.append(self.version)
-            raise FakeObjectLost("the state's copy was lost with its node")
-        return wake_up(self, state, after)
-
-    monkeypatch.setattr(FakeLearner, "wake_up", losing)
+    lost = _fail_the_first_wake_up_behind(
+        monkeypatch, FakeObjectLost("the state's copy was lost with its node"))
     job = FakeJob.make(fake_config(tmp_path, steps=5))
-    act = job.actuator()
-    result = act.run()
+    result = job.actuator().run()
     assert lost, "no cell joined a step behind"
     (f,) = [f for f in result.faults if "state did not arrive" in f.why]
     assert f.kind == "transfer" and not f.retired
@@ -357,19 +370,8 @@ def test_a_switch_that_fails_with_its_runner_leaves_the_learner_behind_and_reloa
     Learner's version check."""
     job = FakeJob.make(fake_config(tmp_path, steps=5))
     act = job.actuator()
-    s = act.state
-
-    def kill_a_behind_joiners_runner(a):
-        g = a.learners
-        if g is None or g.version < 1:
-            return None
-        for ref, p in list(s.pending.items()):
-            if p.kind == "switch" and p.cell in g._before_join:
-                a.cells[p.cell].runner.kill()
-                return p.cell
-        return None
-
-    act.injector = OnceWhen(kill_a_behind_joiners_runner)
+    act.injector = OnceWhen(_kill_at_the_first_pending(
+        "switch", "runner", also=lambda a, p: p.cell in a.learners._before_join))
     result = act.run()
     assert act.injector.fired is not None, "no cell joined a step behind"
     assert [f.kind for f in result.faults if f.cell == act.injector.fired][:1] == ["runner"]
@@ -383,18 +385,7 @@ def test_a_sync_that_fails_with_its_learner_is_redone_on_the_rebuilt_learner(tmp
     tokens stay within the staleness bound."""
     job = FakeJob.make(fake_config(tmp_path, steps=5))
     act = job.actuator()
-    s = act.state
-
-    def kill_a_syncing_cells_learner(a):
-        if a.learners is None or a.learners.version < 1:
-            return None
-        for ref, p in list(s.pending.items()):
-            if p.kind == "sync":
-                a.cells[p.cell].learner.kill()
-                return p.cell
-        return None
-
-    act.injector = OnceWhen(kill_a_syncing_cells_learner)
+    act.injector = OnceWhen(_kill_at_the_first_pending("sync", "learner"))
     result = act.run()
     assert act.injector.fired is not None, "no cell synced"
     assert [f.kind for f in result.faults if f.cell == act.injector.fired][:1] == ["learner"]
