@@ -224,20 +224,29 @@ def create_cells(layout: CellLayout, *, actors: CellActors,
     held = probed if probed is not None and actors.engine_actors else [() for _ in pgs]
     pins: dict[int, str | None] = {}
 
-    def spawn(index: int, pg: Any, which: str) -> Any:
-        actor = _start_actor(index, pg, which, layout, actors, held[index], pins.get(index))
-        if which == "learner" and learner_holds_gpus(layout, actors):
+    def pin(learners: dict[int, Any]) -> None:
+        """The runners' pins: the GPU ids each learner holds, asked of all at once."""
+        asked = {c: _ask_gpu_ids(actor, layout, actors) for c, actor in learners.items()}
+        for index, refs in asked.items():
             try:         # a replaced learner on a lost node: keep the pin, replace() times out
-                pins[index] = ",".join(learner_gpu_ids(actor, layout, actors,
-                                                       timeout_s=ready_timeout_s))
+                pins[index] = _gpu_ids(ray.get(refs, timeout=ready_timeout_s))
             except ray.exceptions.RayError as exc:   # or it died with its node: _wait_up
                 if not (isinstance(exc, ray.exceptions.GetTimeoutError) or actor_lost(exc)):
                     raise
+
+    def spawn(index: int, pg: Any, which: str) -> Any:
+        actor = _start_actor(index, pg, which, layout, actors, held[index], pins.get(index))
+        if which == "learner" and learner_holds_gpus(layout, actors):
+            pin({index: actor})
         return actor
 
-    learners = [spawn(c, pg, "learner") for c, pg in enumerate(pgs)]   # first: the runner is
-    cells = [Cell(c, pg, spawn(c, pg, "runner"), learners[c])          # pinned to their GPUs
-             for c, pg in enumerate(pgs)]
+    # the learners first (the runners are pinned to their GPUs), started together: each one's
+    # process starts while the others do, and their GPU ids are asked of all at once
+    learners = [_start_actor(c, pg, "learner", layout, actors, held[c])
+                for c, pg in enumerate(pgs)]
+    if learner_holds_gpus(layout, actors):
+        pin(dict(enumerate(learners)))
+    cells = [Cell(c, pg, spawn(c, pg, "runner"), learners[c]) for c, pg in enumerate(pgs)]
     pool = CellPool(layout, cells, len(pgs), 0.0, spawn=spawn)
     _wait_up(pool, timeout_s=ready_timeout_s)
     pool.startup_s = time.perf_counter() - t0
@@ -309,18 +318,20 @@ def learner_holds_gpus(layout: CellLayout, actors: CellActors) -> bool:
     return layout.gpus_per_node > 0 and not actors.engine_actors
 
 
-def learner_gpu_ids(learner: Any, layout: CellLayout, actors: CellActors, *,
-                    timeout_s: float | None = None) -> list[str]:
-    """Ray GPU ids the Learner holds on bundle 0 (every rank there: ``ray.get_gpu_ids()``
-    inside it), sorted."""
+def _ask_gpu_ids(learner: Any, layout: CellLayout, actors: CellActors) -> list[Any]:
+    """Refs of the Ray GPU ids each of the Learner's ranks on bundle 0 holds."""
     if isinstance(learner, ShardedCell):
         per = ranks_per_bundle(actors.sharding, nodes_per_cell=layout.nodes_per_cell,
                                gpus_per_node=layout.gpus_per_node)
         ranks = learner.ranks[:per]
     else:
         ranks = [learner]
-    ids = ray.get([r.__ray_call__.remote(_held_gpu_ids) for r in ranks], timeout=timeout_s)
-    return sorted({i for rank_ids in ids for i in rank_ids}, key=lambda i: (len(i), i))
+    return [r.__ray_call__.remote(_held_gpu_ids) for r in ranks]
+
+
+def _gpu_ids(per_rank: list[list[str]]) -> str:
+    """The ranks' GPU ids, sorted, comma-separated (``CUDA_VISIBLE_DEVICES``)."""
+    return ",".join(sorted({i for ids in per_rank for i in ids}, key=lambda i: (len(i), i)))
 
 
 def _held_gpu_ids(actor: Any) -> list[str]:
