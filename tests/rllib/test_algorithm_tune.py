@@ -1,14 +1,16 @@
 """XLongAlgorithm's results reach Ray's loggers the way RLlib users expect: under
 ``tune.Tuner`` the ``xlong/*`` metrics land in the trial's ``result.json``, ``progress.csv``
-and TensorBoard event file (tensorboardX), next to RLlib's own ``env_runners/*`` keys."""
+and TensorBoard event file (tensorboardX), next to RLlib's own ``env_runners/*`` keys; and the
+experiment trackers' Tune callbacks (W&B offline, MLflow in a file store) log what the trial's
+``result.json`` holds, RLlib's evaluation block included. One trial serves every test here."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import pathlib
-import struct
 import tempfile
 
 import pytest
@@ -16,54 +18,70 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.rllib, pytest.mark.slow]
 ray = pytest.importorskip("ray")
 tune = pytest.importorskip("ray.tune")
+pytest.importorskip("wandb")
+pytest.importorskip("mlflow")
 
 from ray_xlong.rllib.algorithm import STEP_METRICS, XLONG, XLongAlgorithm  # noqa: E402
 from ray_xlong.rllib.algorithm_config import XLongConfig  # noqa: E402
+from ray_xlong.rllib.trackers import tracker_callbacks  # noqa: E402
+from tracker_readers import mlflow_history, tensorboard_scalars, wandb_history  # noqa: E402
 
 ROLES = ("rollout", "draining", "training", "syncing")
 XLONG_KEYS = set(STEP_METRICS) | {f"cells_{r}" for r in ROLES}
 
 
-def tensorboard_scalars(path: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
-    """Scalars of a TensorBoard event file: TFRecords (u64 length, u32 crc, Event, u32 crc)."""
-    event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
-    data, i, out = path.read_bytes(), 0, {}
-    while i < len(data):
-        (n,) = struct.unpack("<Q", data[i:i + 8])
-        event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
-        i += 12 + n + 4
-        for value in event.summary.value:
-            out.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return out
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """The shared trial's directory and the trackers' output folder."""
+
+    path: pathlib.Path
+    trackers: pathlib.Path
 
 
 @pytest.fixture(scope="module")
-def trial_dir(tmp_path_factory):
-    """Two training iterations of a 2-cell elastic job under ``tune.Tuner``."""
+def trial(tmp_path_factory):
+    """Two training iterations of a 2-cell elastic job under ``tune.Tuner`` with the W&B and
+    MLflow callbacks, evaluating at iteration 2 on the rollout cells beside the step (RLlib's
+    parallel mode)."""
     from ray_xlong.models import build_tiny_model_dir
 
     if ray.is_initialized():
         ray.shutdown()
     tmp = tmp_path_factory.mktemp("tune")
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")  # short socket paths
+    env = pytest.MonkeyPatch()
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "MLFLOW_TRACKING_URI"):
+        env.delenv(name, raising=False)
+    env.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rx", dir="/tmp"))  # short socket paths
     model_dir = str(build_tiny_model_dir(tmp / "policy", seed=0))
     # the trial's driver bundle (1 CPU) + two cells (1 CPU, 1 logical GPU each)
     ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, log_to_driver=False)
     config = (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=4)
               .debugging(seed=0)
               .xlong(mode="elastic", cells=2, runs_per_group=2, slots_per_cell=4,
-                     model_dir=model_dir, placement_strategy="PACK"))
+                     model_dir=model_dir, placement_strategy="PACK", eval_samples=2)
+              .evaluation(evaluation_interval=2, evaluation_duration=1,
+                          evaluation_num_env_runners=1, evaluation_parallel_to_training=True,
+                          evaluation_config={"num_cpus_per_env_runner": 0}))
+    out = tmp / "trackers"
     try:
         grid = tune.Tuner(XLongAlgorithm, param_space=config, run_config=tune.RunConfig(
-            name="xlong", storage_path=str(tmp / "results"),
-            stop={"training_iteration": 2}, verbose=0)).fit()
+            name="xlong", storage_path=str(tmp / "results"), stop={"training_iteration": 2},
+            verbose=0, callbacks=tracker_callbacks(("wandb", "mlflow"), project="xl",
+                                                   out_dir=out))).fit()
+        assert os.environ.get("WANDB_MODE") == "offline"
     finally:
         ray.shutdown()
+        env.undo()
     result = grid[0]
     assert result.error is None, result.error
     assert set(result.metrics[XLONG]) == XLONG_KEYS
     assert result.metrics[XLONG]["policy_version"] == 2
-    return pathlib.Path(result.path)
+    return Trial(pathlib.Path(result.path), out)
+
+
+@pytest.fixture(scope="module")
+def trial_dir(trial):
+    return trial.path
 
 
 def test_result_json_holds_the_nested_xlong_metrics(trial_dir):
@@ -91,3 +109,24 @@ def test_tensorboard_scalars_per_iteration(trial_dir):
         assert [step for step, _ in scalars[f"ray/tune/{XLONG}/{key}"]] == [1, 2], key
     assert [v for _, v in scalars[f"ray/tune/{XLONG}/policy_version"]] == [1.0, 2.0]
     assert "ray/tune/env_runners/episode_return_mean" in scalars
+
+
+def test_trackers_log_the_algorithms_metrics(trial):
+    """What the W&B and MLflow callbacks wrote equals the trial's result.json, the evaluation
+    block of iteration 2 included."""
+    lines = [json.loads(x) for x in (trial.path / "result.json").read_text().splitlines()]
+    key = "learners/default_policy/entropy"          # > 0 on any trained token
+    want = [r["learners"]["default_policy"]["entropy"] for r in lines]
+    assert len(want) == 2 and min(want) > 0
+    rows = wandb_history(trial.trackers)
+    assert [r["training_iteration"] for r in rows] == [1, 2]
+    assert [r[key] for r in rows] == pytest.approx(want)
+    history = mlflow_history(trial.trackers, "xl", key)
+    assert [step for step, _ in history] == [1, 2]
+    assert [value for _, value in history] == pytest.approx(want)
+    # RLlib's evaluation block (iteration 2 only) reaches both trackers under its own keys
+    ev_key = "evaluation/env_runners/pass_at_2"
+    ev_want = [r["evaluation"]["env_runners"]["pass_at_2"] for r in lines if "evaluation" in r]
+    assert len(ev_want) == 1
+    assert [r[ev_key] for r in rows if r.get(ev_key) is not None] == pytest.approx(ev_want)
+    assert mlflow_history(trial.trackers, "xl", ev_key) == [(2, pytest.approx(ev_want[0]))]

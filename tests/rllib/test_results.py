@@ -4,8 +4,9 @@
   computed at once, the gradient norm is the norm of the reduced gradient before clipping, the
   token statistics count every trained token once.
 * ``XLongAlgorithm.train()`` on a local Ray passes RLlib's own
-  ``check_train_results_new_api_stack``; every key of the metric table in docs/rllib.md is present and
-  finite; lifetime counters add up; RLlib's metrics logger prints no deprecation warning.
+  ``check_train_results_new_api_stack``; every key of the metric table in docs/rllib.md is
+  present and finite; lifetime counters add up; RLlib's metrics logger prints no deprecation
+  warning.
 """
 
 from __future__ import annotations
