@@ -1,10 +1,11 @@
 """Fixtures every test folder shares, built once per test run.
 
-``warm_cache``: one model cache for the whole run. Warm-started tiny policies are built once per
-(seed, warm-start config, chat style) under it (``cells.task_job.warm_started_model_dir`` reuses
-a finished one, and builds each under a file lock), so the examples, benchmark smoke runs and
-learning tests that start from the same policy — in this process, in another pytest-xdist
-worker, or in a subprocess given ``--workdir`` — pay for one warm start.
+``warm_cache``: one model cache for the whole run (or for the runs sharing ``RX_TEST_CACHE``).
+Warm-started tiny policies are built once per (seed, warm-start config, chat style) under it
+(``cells.task_job.warm_started_model_dir`` reuses a finished one, and builds each under a file
+lock), so the examples, benchmark smoke runs and learning tests that start from the same policy
+— in this process, in another pytest-xdist worker, or in a subprocess given ``--workdir`` — pay
+for one warm start.
 
 Under pytest-xdist (``make test-all`` runs the suite on 2 workers) each worker gets its own
 ``RAY_TMPDIR``: ``ray.init()`` without an address joins the cluster recorded in its temp dir,
@@ -19,6 +20,8 @@ import pathlib
 
 import pytest
 
+from tests.shared import shared_dir
+
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER:
     os.environ["RAY_TMPDIR"] = f"{os.environ.get('RAY_TMPDIR', '/tmp/ray')}_{_WORKER}"
@@ -26,13 +29,14 @@ if _WORKER:
 
 @pytest.fixture(scope="session")
 def warm_cache(tmp_path_factory) -> pathlib.Path:
-    """A directory for warm-started policies, shared by every test of the run (every worker's:
-    the workers' base temp dirs share a parent)."""
-    if _WORKER:
-        shared = tmp_path_factory.getbasetemp().parent / "warm_cache"
-        shared.mkdir(exist_ok=True)
+    """A directory for warm-started policies, shared by every test of the run, or of the runs
+    that share ``RX_TEST_CACHE`` (``make test-all``'s two phases: the second one's chaos run
+    starts from the policy the first one warm-started)."""
+    if os.environ.get("RX_TEST_CACHE"):
+        shared = pathlib.Path(os.environ["RX_TEST_CACHE"]) / "warm_cache"
+        shared.mkdir(parents=True, exist_ok=True)
         return shared
-    return tmp_path_factory.mktemp("warm_cache")
+    return shared_dir(tmp_path_factory, "warm_cache")
 
 
 DURATIONS = pathlib.Path(__file__).parent / "tests" / "durations.json"

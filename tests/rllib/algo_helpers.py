@@ -58,6 +58,11 @@ def user_task():
     return Echo
 
 
+ENGINE_SETTINGS_KW = dict(gpu_memory_utilization=0.3, enable_prefix_caching=False)
+"""Engine settings of the shared trained algorithm (not the defaults: they must reach the
+cells)."""
+
+
 def small_config(model_dir: str, *, mode: str = "elastic", seed: int = 0) -> XLongConfig:
     """2 cells, 2 groups × 4 runs per step, on a plain tiny model (plumbing, not learning)."""
     return (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=8)

@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
-from algo_helpers import small_config  # noqa: E402
+from algo_helpers import ENGINE_SETTINGS_KW, small_config  # noqa: E402
 from ray_xlong.cells.sharded_cell import ShardedCell  # noqa: E402
 from ray_xlong.cells.sharding import ShardingSettings  # noqa: E402
 from ray_xlong.rollout.engine_settings import EngineSettings  # noqa: E402
@@ -71,18 +71,14 @@ def test_every_sharded_rank_holds_its_bundles_gpus(logical_gpus, model_dir):
 
 
 @pytest.mark.slow
-def test_the_single_learner_holds_its_cells_gpu(logical_gpus, model_dir):
-    settings = EngineSettings(gpu_memory_utilization=0.3, enable_prefix_caching=False)
-    algo = small_config(model_dir).xlong(gpus_per_node=2, engine_settings=settings).build_algo()
-    try:
-        assert all(inside(cell.runner, lambda self: self.rollout_config.engine_settings)
-                   == settings for cell in algo.pool.cells)   # the engine settings reach cells
-        ids = [held(cell.learner) for cell in algo.pool.cells]
-        assert [len(i) for i in ids] == [2, 2] and sorted(sum(ids, [])) == ["0", "1", "2", "3"]
-        assert all(held(cell.runner) == [] for cell in algo.pool.cells)
-        assert algo.train()["xlong"]["policy_version"] == 1
-    finally:
-        algo.stop()
+def test_the_single_learner_holds_its_cells_gpu(trained_algo):
+    # the shared algorithm (tests/rllib/conftest.py): 2 cells × 1 bundle of 2 logical GPUs
+    assert all(s == EngineSettings(**ENGINE_SETTINGS_KW)          # the engine settings reach
+               for s in trained_algo.engine_settings)              # the cells
+    ids = trained_algo.learner_gpus
+    assert [len(i) for i in ids] == [2, 2] and sorted(sum(ids, [])) == ["0", "1", "2", "3"]
+    assert trained_algo.runner_gpus == [[], []]
+    assert trained_algo.results[0]["xlong"]["policy_version"] == 1
 
 
 def test_xlong_and_enable_carry_the_sharding_and_device_settings():
