@@ -73,12 +73,11 @@ def test_cuda_on_logical_gpus_is_an_error_before_any_actor_starts(tmp_path):
         ray.shutdown()
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.parametrize("mode,weight_sync", [("colocated", "object_store"),
-                                              ("elastic", "broadcast")])
-def test_modes_keep_the_cell_invariants_with_2_rank_cells(tmp_path_factory, mode, weight_sync):
-    """Elastic: each step's weights leave the sharded cell's rank 0 by broadcast (gloo)."""
+@pytest.fixture(scope="module")
+def sharded_pool(tmp_path_factory):
+    """One local Ray and one pool of 2 cells of 2 ranks for both modes: ``run_job`` resets the
+    pool to version 0 before each job (a mode and a weight sync are the job's, not the
+    pool's)."""
     import ray
 
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
@@ -86,18 +85,29 @@ def test_modes_keep_the_cell_invariants_with_2_rank_cells(tmp_path_factory, mode
              object_store_memory=300 * 1024 ** 2)
     try:
         model_dir = str(build_tiny_model_dir(tmp_path_factory.mktemp("sm") / "m", seed=0))
-        cfg = dataclasses.replace(config(model_dir), mode=mode, weight_sync=weight_sync)
+        cfg = config(model_dir)
         pool = start_cells(cfg)
         try:
             assert all(isinstance(c.learner, ShardedCell) and len(c.learner) == 2
                        for c in pool.cells)
-            result = run_job(cfg, pool)
-            assert check_invariants(result, staleness_bound=JOB.staleness_bound) == []
-            assert [e.kind for e in result.events].count("step_ended") == JOB.total_steps
-            pushes = result.timings.get("broadcast_fallbacks", ())
-            assert (len(pushes) >= 1 and sum(pushes) == 0) if weight_sync == "broadcast" \
-                else pushes == ()
+            yield cfg, pool
         finally:
             pool.shutdown()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,weight_sync", [("colocated", "object_store"),
+                                              ("elastic", "broadcast")])
+def test_modes_keep_the_cell_invariants_with_2_rank_cells(sharded_pool, mode, weight_sync):
+    """Elastic: each step's weights leave the sharded cell's rank 0 by broadcast (gloo)."""
+    base, pool = sharded_pool
+    cfg = dataclasses.replace(base, mode=mode, weight_sync=weight_sync)
+    result = run_job(cfg, pool)
+    assert check_invariants(result, staleness_bound=JOB.staleness_bound) == []
+    assert [e.kind for e in result.events].count("step_ended") == JOB.total_steps
+    pushes = result.timings.get("broadcast_fallbacks", ())
+    assert (len(pushes) >= 1 and sum(pushes) == 0) if weight_sync == "broadcast" \
+        else pushes == ()
