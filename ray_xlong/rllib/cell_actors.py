@@ -84,6 +84,7 @@ class CellRunner(AgentEnvRunner):
         if self._draining or self._stopped or getattr(self.engine, "is_sleeping", False):
             async def refuse() -> None:
                 self._eval_preempted.extend(s.run_id for s in specs)
+                self._news.set()
 
             self._call(refuse())
             return 0
@@ -97,6 +98,12 @@ class CellRunner(AgentEnvRunner):
         return len(specs)
 
     def _eval_end(self, run_id: str, env, task) -> None:
+        try:
+            self._eval_outcome(run_id, env, task)
+        finally:
+            self._news.set()
+
+    def _eval_outcome(self, run_id: str, env, task) -> None:
         group = self._eval_ids.pop(run_id, "")
         self._live.pop(run_id, None)
         if env is not None:
@@ -136,10 +143,8 @@ class CellRunner(AgentEnvRunner):
         processed here, where they ended. Two returns: their :class:`RunDigest` (what the
         driver reads) and their episodes with the ``ProcessedRun`` (what a Learner reads; the
         driver passes the ref on without fetching it)."""
-        deadline = time.monotonic() + timeout_s
-        while not (self._ended or self._eval_ended or self._eval_preempted) \
-                and time.monotonic() < deadline:
-            time.sleep(0.002)
+        self._wait_until(lambda: bool(self._ended or self._eval_ended or self._eval_preempted),
+                         timeout_s)
         error = getattr(self, "_spool_error", None)
         if error is not None:
             raise RuntimeError(f"cell {self.cell}: spooling an ended run failed: {error!r}")
@@ -225,9 +230,10 @@ def cell_actors(*, rollout: RolloutConfig, learner: LearnerSettings,
                 agent_tasks: Mapping[str, Callable[[int], Any]] | None = None) -> CellActors:
     """The runner (:class:`CellRunner` on ``rollout``: processes each run where it ended with
     ``processor``; ``tasks`` registered in it, and ``agent_tasks`` (external agents:
-    ``make(seed) -> AgentTask``, run through the cell's endpoint); ended runs spooled to ``spool_dir`` when given)
-    and the learner (:class:`XLongLearner` on ``learner``, seeded; its Learner connector
-    pipeline runs the user's ``learner_connector`` pieces, then ``PrefixTreeConnector``). With
+    ``make(seed) -> AgentTask``, run through the cell's endpoint); ended runs spooled to
+    ``spool_dir`` when given) and the learner (:class:`XLongLearner` on ``learner``, seeded;
+    its Learner connector pipeline runs the user's ``learner_connector`` pieces, then
+    ``PrefixTreeConnector``). With
     ``sharding`` of more than one rank (or on CUDA) a cell's learner is a set of ranks instead,
     running the same pipeline (:class:`ConnectorBatches`). A ``rollout.engine_factory`` that is
     a ``CellEngines`` gets its ``EngineLayout.placement`` decided here when None (engine

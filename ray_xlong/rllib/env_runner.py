@@ -127,6 +127,8 @@ class AgentEnvRunner(EnvRunner):
         self._thread.start()
         self._live: dict[str, asyncio.Task] = {}
         self._ended: list[RunResult] = []
+        self._news = threading.Event()
+        """Set when a run ended (waiters wake on it instead of polling)."""
         self._draining = False
         self._stopped = False
         self.engine = hosting(self._call(self._build_engine()))
@@ -186,6 +188,17 @@ class AgentEnvRunner(EnvRunner):
             env.close()
         if not task.cancelled():
             self._ended.append(task.result())
+        self._news.set()
+
+    def _wait_until(self, done, timeout_s: float) -> None:
+        """Block until ``done()`` holds or ``timeout_s`` passed, woken by ended runs."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._news.wait(left)
+            self._news.clear()          # ``done()`` is checked again: no wake-up is lost
 
     def num_live_runs(self) -> int:
         """Runs started and not yet ended (endpoint runs included)."""
@@ -206,9 +219,7 @@ class AgentEnvRunner(EnvRunner):
                **_rllib_kwargs: Any) -> list[SingleAgentEpisode]:
         """Episodes of the runs that ended since the last call (waits up to ``timeout_s`` for
         at least ``min_runs``). RLlib's ``num_timesteps`` / ``explore`` … are ignored."""
-        deadline = time.monotonic() + timeout_s
-        while len(self._ended) < min_runs and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self._wait_until(lambda: len(self._ended) >= min_runs, timeout_s)
         results = self._call(self._take())
         self.num_env_steps_sampled_lifetime += len(results)
         return [run_to_episode(r.run) for r in results]
