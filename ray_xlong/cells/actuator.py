@@ -323,6 +323,16 @@ class RayActuator:
         self.ready(p.cell)
 
     def _on_sync(self, p: Pending, value: Any) -> None:
+        s = self.state
+        if p.version < s.learners.version:
+            # A step ended during the sync. Its push (``set_weights``) to this runner may have
+            # run before the sync's ``resume``, which waited for the Learner's sleep: Ray does
+            # not order the calls of an actor with concurrency groups, so the engine may hold
+            # the older weights. Send the current ones (chained after that ``resume``) before
+            # the cell takes runs stamped with the current version.
+            ref = self.rcall(p.cell, "resume", s.learners.weights_ref, s.learners.version)
+            s.pending[ref] = Pending("sync", p.cell, p.issued, version=s.learners.version)
+            return
         self.stats["sync_s"].append(self.now() - p.issued)
         self.ready(p.cell)
 
@@ -375,7 +385,7 @@ class RayActuator:
             s.awake.discard(cell)
             slept = s.learners.sleep(cell)
             ref = self.rcall(cell, "resume", s.learners.weights_ref, s.learners.version, slept)
-            s.pending[ref] = Pending("sync", cell, self.now())
+            s.pending[ref] = Pending("sync", cell, self.now(), version=s.learners.version)
 
     # -- training ------------------------------------------------------------------------------
     def train(self) -> None:

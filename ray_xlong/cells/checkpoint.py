@@ -19,7 +19,8 @@ save(job)           at step boundaries (CellJobConfig.checkpoint_every) and at t
 resume(job, p, …)   a new driver on fresh cells: every Learner loads the checkpoint from the
                     shared path; the ended, untrained runs processed again from the spool; runs
                     live at the checkpoint that ended since come from the spool, the others
-                    start again
+                    start again; a cell lost meanwhile (its node removed) goes to the recovery
+                    (rebuilt, or retired until its node is back)
 latest(root)        (version, learner dir) of the last completed checkpoint (None: none yet)
 ```
 
@@ -49,7 +50,7 @@ import torch
 from ray_xlong.cells.job_state import JobState
 from ray_xlong.cells.learner_group import ElasticLearnerGroup
 from ray_xlong.cells.protocols import JobActions
-from ray_xlong.cells.records import EndedRun, FaultRecord
+from ray_xlong.cells.records import CellActorDied, EndedRun, FaultRecord
 from ray_xlong.cells.recovery import Recovery
 from ray_xlong.cells.shard_checkpoint import LATEST, latest  # noqa: F401 (re-exported)
 from ray_xlong.scheduling import Role
@@ -171,8 +172,13 @@ def resume(job: JobState, path: str | os.PathLike, *, recovery: Recovery,
         recovery: takes over the runs each cell still owes (``Recovery.take_over_runs``).
         actions: the actuator's actions (``rcall``: drain the cells that were draining).
 
+    A cell whose actors are lost while it loads (a node removed meanwhile) is recovered
+    like a loss in the job (``Recovery.recover``): rebuilt in place, or retired until its
+    node is back while its runs restart on the other cells.
+
     Raises:
         ValueError: a checkpoint of another job, or of another (newer) format (naming both).
+        CellActorDied: every cell was lost while loading.
     """
     state = torch.load(path, weights_only=False)
     if state.get("format") != FORMAT:
@@ -187,35 +193,98 @@ def resume(job: JobState, path: str | os.PathLike, *, recovery: Recovery,
     job.stats = collections.defaultdict(list, state["stats"])
     job.faults[:] = list(state["faults"])
     learner_dir = str(pathlib.Path(path).parent / state["learner_dir"])
-    done = job.ray.get([call for cell in job.cells for call in (
-        cell.learner.load_checkpoint.remote(learner_dir), cell.learner.sleep.remote())])
-    if {int(v) for v in done[::2]} != {int(state["version"])}:
-        raise ValueError(f"RayActuator.resume_from: {learner_dir} holds versions "
-                         f"{sorted(set(done[::2]))}, the records version {state['version']}")
-    job.learners = ElasticLearnerGroup([c.learner for c in job.cells],
-                                       version=int(state["version"]),
+    version = int(state["version"])
+    lost = _load_learners(job, learner_dir, version)
+    job.learners = ElasticLearnerGroup([c.learner for c in job.cells], version=version,
                                        state_source=recovery.state_source, ray=job.ray)
-    job.ray.get([c.runner.resume.remote(job.learners.weights_ref, job.learners.version)
-                 for c in job.cells])
-    _ended_from_spool(job, state["ended"])
+    for cell in lost:      # its Learner holds nothing
+        job.learners.learner_version[cell] = -1
+    job.learners.lead = min(set(range(len(job.cells))) - lost)
+    no_runner = _resume_runners(job)
+    _ended_from_spool(job, state["ended"], no_runner)
     job.t0 = time.monotonic() - float(state["time"])
     job.m.resume(job.now())  # the runs it still owes stay live on their cells
     from_spool = rerun = 0
     for cell in range(len(job.cells)):
-        spooled, again = recovery.take_over_runs(cell)
+        if cell in no_runner:
+            continue
+        try:
+            spooled, again = recovery.take_over_runs(cell)
+        except job.ray.Error as exc:    # its runner lost now: recovery takes its runs over
+            if not job.ray.lost(exc):
+                raise
+            no_runner.add(cell)
+            continue
         from_spool, rerun = from_spool + spooled, rerun + again
         if job.m.role[cell] is Role.DRAINING:
             actions.rcall(cell, "drain")
+    job.faults.append(FaultRecord("driver", -1, "resumed from a checkpoint", job.now(), 0.0,
+                                  runs_rerun=rerun, runs_from_spool=from_spool))
+    for cell in sorted(lost | no_runner):   # rebuilt in place, or retired (node gone); its
+        # runs that ended into the spool are delivered from there (before the discard)
+        recovery.recover(cell, "lost while a new driver resumed from the checkpoint")
     if job.spool is not None:  # results of runs started after the checkpoint: re-run
         job.spool.discard(job.spool.run_ids() - set(job.held_runs))
     job.resumed_at = time.time()
-    job.faults.append(FaultRecord("driver", -1, "resumed from a checkpoint", job.now(), 0.0,
-                                  runs_rerun=rerun, runs_from_spool=from_spool))
 
 
-def _ended_from_spool(job: JobState, ended: dict) -> None:
-    """The checkpoint's ended, untrained runs: processed again from the spool (by cell 0's
-    runner) into payloads; held as they were."""
+def _load_learners(job: JobState, learner_dir: str, version: int) -> set[int]:
+    """Every cell's Learner loads ``learner_dir`` (at ``version``) and sleeps. Returns the
+    cells whose Learner was lost meanwhile (a node removed while the new driver loads).
+
+    Raises:
+        ValueError: a Learner loaded another version.
+        CellActorDied: every cell was lost.
+    """
+    calls = {c: (cell.learner.load_checkpoint.remote(learner_dir), cell.learner.sleep.remote())
+             for c, cell in enumerate(job.cells)}
+    loaded, lost = {}, set()
+    for cell, (load, sleep) in calls.items():
+        try:
+            loaded[cell] = int(job.ray.get(load))
+            job.ray.get(sleep)
+        except job.ray.Error as exc:
+            if not job.ray.lost(exc):
+                raise
+            lost.add(cell)
+    if not loaded:
+        raise CellActorDied(f"RayActuator.resume_from: every cell was lost while its Learner "
+                            f"loaded {learner_dir}")
+    if set(loaded.values()) != {version}:
+        raise ValueError(f"RayActuator.resume_from: {learner_dir} holds versions "
+                         f"{sorted(set(loaded.values()))}, the records version {version}")
+    return lost
+
+
+def _resume_runners(job: JobState) -> set[int]:
+    """Every runner loads the current weights and takes runs. Returns the cells whose runner
+    was lost meanwhile. The weights object lost with its maker's node (the runners alive):
+    made again from another holder, once."""
+    todo, dead = list(range(len(job.cells))), set()
+    for attempt in range(2):
+        refs = {c: job.cells[c].runner.resume.remote(job.learners.weights_ref,
+                                                     job.learners.version) for c in todo}
+        todo = []
+        for cell, ref in refs.items():
+            try:
+                job.ray.get(ref)
+            except job.ray.Error as exc:
+                if not job.ray.lost(exc):
+                    raise
+                if job.ray.alive(job.cells[cell].runner) and attempt == 0:
+                    todo.append(cell)            # its weights were lost, not the runner
+                else:
+                    dead.add(cell)
+        if not todo:
+            return dead
+        job.learners.forget_copies()
+    return dead | set(todo)
+
+
+def _ended_from_spool(job: JobState, ended: dict, lost: set[int]) -> None:
+    """The checkpoint's ended, untrained runs: processed again from the spool (by the first
+    runner not ``lost``; one lost meanwhile joins ``lost`` and the next one tries) into
+    payloads; held as they were."""
     ids = [d.run_id for digests in ended.values() for d in digests]
     job.ended = collections.defaultdict(list)
     if not ids:
@@ -223,8 +292,21 @@ def _ended_from_spool(job: JobState, ended: dict) -> None:
     if job.spool is None:
         raise ValueError("RayActuator.resume_from: the checkpoint owes runs "
                          f"{sorted(ids)[:5]}… but the job has no spool to read them from")
-    digests_ref, payload = job.cells[0].runner.process_spooled.remote(ids)
-    fresh = {d.run_id: d for d in job.ray.get(digests_ref)}
+    for cell in range(len(job.cells)):
+        if cell in lost:
+            continue
+        digests_ref, payload = job.cells[cell].runner.process_spooled.remote(ids)
+        try:
+            fresh = {d.run_id: d for d in job.ray.get(digests_ref)}
+        except job.ray.Error as exc:
+            if not job.ray.lost(exc):
+                raise
+            lost.add(cell)
+            continue
+        break
+    else:
+        raise CellActorDied("RayActuator.resume_from: every runner was lost while the "
+                            "checkpoint's ended runs were read from the spool")
     for group, digests in ended.items():
-        job.ended[group] = [EndedRun(fresh[d.run_id], payload, 0) for d in digests]
+        job.ended[group] = [EndedRun(fresh[d.run_id], payload, cell) for d in digests]
     job.held_runs.update({e.digest.run_id: e for runs in job.ended.values() for e in runs})

@@ -29,6 +29,8 @@ class Pending:
     """Job time it was sent."""
     payload: Any = None
     """``ended``: the ref of the episodes of the runs it reports (left where they are)."""
+    version: int = -1
+    """``sync``: the policy version of the weights the runner was sent."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,8 +15,9 @@ a pending ref failed because an actor died ─► recover(cell)
                  spool by another runner) and rebuilt once Ray re-places the group
   state lost     every holder of the current state is gone (the last step's members: each
                  applied the same update; the driver holds refs only, and the group's
-                 object-store copy, if any, is of an older version): a live Learner loads the last completed checkpoint
-                 (``checkpoint.py``) and replays the steps since from the spool — the step
+                 object-store copy, if any, is of an older version): a live Learner loads the
+                 last completed checkpoint (``checkpoint.py``) and replays the steps since
+                 from the spool — the step
                  records name the runs each step trained, in order, and their advantages come
                  from the same digests — so the state is the one lost (to float tolerance:
                  only the order of additions differs), nothing lost, nothing trained twice
@@ -241,7 +242,7 @@ class Recovery:
                 s.pending[ref] = Pending("switch", cell, s.now())
         elif role is Role.SYNCING and ("sync" in dropped or runner_new):
             ref = self.actions.rcall(cell, "resume", s.learners.weights_ref, s.learners.version)
-            s.pending[ref] = Pending("sync", cell, s.now())
+            s.pending[ref] = Pending("sync", cell, s.now(), version=s.learners.version)
 
     def _helper(self, cell: int) -> int:
         """A cell other than ``cell`` whose runner can process spooled runs."""

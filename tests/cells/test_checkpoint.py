@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from fakes import FakeJob, fake_config
+from fakes import FakeJob, OnceWhen, fake_config
 from ray_xlong.cells import checkpoint
 from ray_xlong.cells.metrics import check_invariants
 from ray_xlong.cells.runs import run_key
@@ -102,3 +102,41 @@ def test_a_checkpoint_of_another_format_is_refused_naming_both(tmp_path):
     act = FakeJob.make(cfg).actuator()
     with pytest.raises(ValueError, match="checkpoint of format 2; this version reads format 3"):
         act.run(resume_from=pathlib_of(cfg))
+
+
+@pytest.mark.parametrize("cell", [pytest.param(0, id="cell-0-the-spool-reader"),
+                                  pytest.param(2, id="cell-2")])
+def test_a_node_lost_while_a_new_driver_loads_the_checkpoint_is_recovered(tmp_path, cell):
+    cfg = fake_config(tmp_path, checkpoint=True, steps=4)
+    first, saved, _ = first_driver(cfg)
+    second = FakeJob.make(cfg, ledger=first.ledger, polls=4)
+    second.pool.lose_node(cell)   # gone before its Learner's load_checkpoint answers
+    act = second.actuator()
+    act.injector = OnceWhen(lambda a: True if a.m.version > saved["version"] else None,
+                            then=lambda a: second.pool.restore_node(cell))
+    result = act.run(resume_from=pathlib_of(cfg))
+
+    kinds = [(f.kind, f.cell) for f in result.faults]
+    assert ("driver", -1) in kinds and ("node", cell) in kinds   # retired, its runs elsewhere
+    assert ("node_returned", cell) in kinds                      # rebuilt once it came back
+    _trained_once_over_both_drivers(cfg, first, result)
+
+
+def test_a_learner_lost_while_a_new_driver_loads_the_checkpoint_is_rebuilt(tmp_path):
+    cfg = fake_config(tmp_path, checkpoint=True, steps=4)
+    first, saved, _ = first_driver(cfg)
+    second = FakeJob.make(cfg, ledger=first.ledger, polls=4)
+    second.pool.cells[1].learner.kill()   # its node stays: rebuilt in place
+    result = second.actuator().run(resume_from=pathlib_of(cfg))
+
+    kinds = [(f.kind, f.cell) for f in result.faults]
+    assert ("driver", -1) in kinds and ("learner", 1) in kinds
+    assert not any(f.retired for f in result.faults)
+    _trained_once_over_both_drivers(cfg, first, result)
+
+
+def _trained_once_over_both_drivers(cfg, first, result) -> None:
+    assert check_invariants(result, staleness_bound=1) == []
+    every = [r for step in result.trained_runs for r in step]
+    assert sorted(every) == sorted(run_key(r) for r in range(cfg.job.total_runs))
+    assert first.ledger.trained() == {r: 1 for r in every} and first.ledger.consistent()
