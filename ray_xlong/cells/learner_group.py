@@ -181,6 +181,8 @@ class ElasticLearnerGroup:
         """States a joining cell loaded from a holder, peer to peer."""
         self._transfers: dict[int, tuple[int, int]] = {}
         """(holder, joiner) of each joiner's last peer-to-peer state transfer."""
+        self._state_from: int | None = None
+        """The holder the last :attr:`state_ref` came from (None: the kept copy)."""
         self._before_join: dict[int, int] = {}
         """The version a cell's Learner held when it joined the step behind (until it sleeps)."""
 
@@ -196,6 +198,7 @@ class ElasticLearnerGroup:
         object-store copy of that version, else ``state_source(version)``. For recovery and
         checkpoints; a joining cell gets the state peer to peer (:meth:`join`)."""
         holder = self._live_holder()
+        self._state_from = holder
         if holder is not None:
             return self.learners[holder].get_xlong_state.remote()
         if self.kept is None or self.kept[0] != self.version:
@@ -204,6 +207,19 @@ class ElasticLearnerGroup:
                          if isinstance(state, Mapping) else state)
             self._made_on["kept"] = None if isinstance(state, Mapping) else self.lead
         return self.kept[1]
+
+    def state_ref_lost(self) -> None:
+        """The state the last :attr:`state_ref` handed out was lost before it loaded: its
+        holder's node is gone, though Ray has not marked the actor dead yet (that takes
+        missed heartbeats), or the kept copy went with its node. That holder stops counting
+        as one (a live one loads the state when it next joins) and the copies it made are
+        forgotten, or the kept copy is; the next :attr:`state_ref` comes from elsewhere."""
+        source = self._state_from
+        if source is None:
+            self.kept = None
+            return
+        self.learner_version[source] = -1
+        self.node_lost(source)
 
     @property
     def weights_ref(self) -> Any:

@@ -210,11 +210,20 @@ class Recovery:
         micro-batches the lost one had trained this step (to requeue)."""
         s = self.state
         learner = s.pool.replace(cell, "learner", timeout_s=timeout_s)
-        if self.state_lost():
-            self.reload_checkpoint(f"cell {cell}'s new learner found no holder of the state",
-                                   cell=cell)
-        s.ray.get([learner.set_xlong_state.remote(s.learners.state_ref),
-                   learner.sleep.remote()])
+        for tries in range(len(s.cells), -1, -1):
+            if self.state_lost():
+                self.reload_checkpoint(f"cell {cell}'s new learner found no holder of the "
+                                       f"state", cell=cell)
+            try:
+                s.ray.get([learner.set_xlong_state.remote(s.learners.state_ref),
+                           learner.sleep.remote()])
+                break
+            except s.ray.Error as exc:
+                # the new Learner alive, the state it was sent lost: its source went with a
+                # node Ray has not marked dead yet (or a copy did); take it from elsewhere
+                if not tries or not s.ray.lost(exc) or not s.ray.alive(learner):
+                    raise
+                s.learners.state_ref_lost()
         redo = s.learners.replace(cell, learner)
         s.learners.learner_version[cell] = s.learners.version
         return redo
