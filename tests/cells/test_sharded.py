@@ -56,8 +56,10 @@ SCHEDULES = [
     # training a step alone (step 1) is part of it: no schedule of one cell on its own.
     pytest.param(2, [lambda i: 0 if i < 2 else 1, lambda i: 1], 2, id="2x2-ranks-join"),
 ]
-CONTEXT_PARALLEL = [pytest.param(1, id="rows"), pytest.param(2, id="context-parallel")]
-"""``LearnerSettings.context_parallel``: rows over ranks, or every row split over both."""
+CONTEXT_PARALLEL = [pytest.param(2, id="context-parallel")]
+"""``LearnerSettings.context_parallel``: every row split over both ranks (rows over ranks, cp 1,
+train the plain-torch weights in ``test_sharded_cells_reduce_and_hand_over_state_shard_to_shard``
+on 2 cells of 2 ranks too: one start of such cells, not two)."""
 
 
 @pytest.mark.slow
@@ -227,8 +229,8 @@ def test_sharded_cells_reduce_and_hand_over_state_shard_to_shard(ray_local, mode
     """Issue 22, items 1 and 3: step 0 is cell 0's alone; cell 1 sat it out, joins step 1 at
     micro-batch 2 and gets the step-0 weights and Adam shards from cell 0 rank to rank; the
     step's all-reduce sums rank i's gradient shard with rank i of the other cell. Nothing is
-    gathered (no ``take_gradients``), every rank moves about its shard, and both cells end on
-    the plain-torch weights."""
+    gathered (no ``take_gradients``), every rank moves about its shard, each rank trains rows of
+    its own (context_parallel 1), and both cells end on the plain-torch weights."""
     monkeypatch.setattr(lg, "MICRO_TOKENS", WIDE_MICRO_TOKENS)
     want = reference_weights(model_dir, "float32")
     start = {k: v.float() for k, v in load_model(model_dir).state_dict().items()}
@@ -244,6 +246,8 @@ def test_sharded_cells_reduce_and_hand_over_state_shard_to_shard(ray_local, mode
             assert "gradients_in" not in t and "gradients_out" not in t
             assert 0.3 * model <= t["reduce_in"] <= 0.7 * model
         assert traffic[1]["state_out"] == traffic[3]["state_in"] > 0   # cell 0 rank 1 → 1 / 1
+        rank1 = ray_local.get(cells[0].ranks[1].xlong_metrics.remote())
+        assert rank1["tokens"] > 0            # the cell's second rank trained rows of its own
         for cell in cells:
             weight_err, update_err = errors(ray_local.get(cell.get_weights.remote()), want,
                                             start)
