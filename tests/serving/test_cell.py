@@ -1,8 +1,10 @@
-"""``ray-xlong serve`` as a subprocess (embedded Ray, one cell, HF engine): prints its URL, serves
-the contract to the ``openai`` client, stops cleanly on Ctrl-C."""
+"""``ray-xlong serve`` as a subprocess (embedded Ray, one cell, the vLLM engine, HF where vLLM is
+not installed): prints its URL, serves the contract to the ``openai`` client, stops cleanly on
+Ctrl-C."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import signal
@@ -25,12 +27,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVE_ENGINE = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+"""The engine ``serve`` runs here: the default, vLLM, where it is installed (an HF engine behind
+the same server: tests/serving/test_agent_job.py and the endpoint benchmark's smoke run)."""
+
+
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_serve_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path, engine):
-    if engine == "vllm":
-        pytest.importorskip("vllm")
+def test_serve_prints_its_url_serves_and_stops_on_ctrl_c(tmp_path):
+    engine = SERVE_ENGINE
     model = build_tiny_model_dir(tmp_path / "tiny-chatml", seed=0, style="chatml")
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
