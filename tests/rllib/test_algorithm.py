@@ -152,7 +152,8 @@ def test_from_checkpoint_continues_in_a_new_process(trained, tmp_path):
 @pytest.mark.slow
 def test_reward_rises_in_elastic_mode(warm_cache):
     """The lookup recipe (warm start, lr 5e-4, 16 groups × 8 runs) on 2 elastic cells: the
-    mean reward of steps 21-25 beats that of steps 1-3 by >= 0.3 (measured: ~0.22 -> ~0.55)."""
+    mean reward of steps 8-12 beats that of steps 1-3 by >= 0.3 (measured: 0.36 -> 0.80; the
+    25-step curve went on to 0.93 at step 25, so the last 13 steps added CI time, not proof)."""
     from ray_xlong.cells.task_job import warm_started_model_dir
 
     if ray.is_initialized():
@@ -162,7 +163,7 @@ def test_reward_rises_in_elastic_mode(warm_cache):
             .xlong(mode="elastic", cells=2, model_dir=model_dir, placement_strategy="PACK")
             .build_algo())
     try:
-        rewards = [algo.train()["env_runners"]["episode_return_mean"] for _ in range(25)]
+        rewards = [algo.train()["env_runners"]["episode_return_mean"] for _ in range(12)]
     finally:
         algo.stop()
         ray.shutdown()
@@ -174,7 +175,13 @@ def test_reward_rises_in_elastic_mode(warm_cache):
 def test_a_users_learner_connector_piece_runs_on_the_training_batch(local_ray, plain_model):
     """Issue 11: a learner connector piece the user added to their config runs in the cells'
     Learner connector pipeline, before PrefixTreeConnector builds the module batch (RLlib's
-    order: custom pieces, then the batch builder), on the episodes of the runs trained."""
+    order: custom pieces, then the batch builder), on the episodes of the runs trained.
+
+    The job is colocated with RLlib's evaluation every iteration: every cell trains at once, so
+    no cell hosts evaluation while a step trains; evaluation lets the step apply (instead of
+    waiting out its timeout) and the next ``train()`` reports that step at once: every round
+    is complete and versions go 1, 2, 3 (one job for both claims: building and training one
+    costs ~40 s of CI)."""
     import ray_xlong
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.rllib.connectors.connector_v2 import ConnectorV2
@@ -194,12 +201,14 @@ def test_a_users_learner_connector_piece_runs_on_the_training_batch(local_ray, p
     register_task("echo_by_name", user_task())    # registered in the driver only
     mine = (PPOConfig().training(lr=1e-4, train_batch_size_per_learner=8,
                                  learner_connector=lambda obs, act: MarkingPiece())
-            .env_runners(num_env_runners=2).debugging(seed=0))
-    algo = ray_xlong.enable(mine, mode="elastic", runs_per_group=4, slots_per_cell=8,
-                            harness=RECIPE_HARNESS, task="echo_by_name",
+            .env_runners(num_env_runners=2).debugging(seed=0)
+            .evaluation(evaluation_interval=1, evaluation_duration=2,
+                        evaluation_sample_timeout_s=600))
+    algo = ray_xlong.enable(mine, mode="colocated", runs_per_group=4, slots_per_cell=8,
+                            harness=RECIPE_HARNESS, task="echo_by_name", eval_samples=2,
                             model_dir=plain_model, placement_strategy="PACK").build_algo()
     try:
-        results = [algo.train() for _ in range(2)]         # the task reached every cell
+        results = [algo.train() for _ in range(3)]         # the task reached every cell
         result = results[-1]
         keys = ("calls", "episodes", "before_batch")
         seen = [ray.get(c.learner.__ray_call__.remote(
@@ -210,6 +219,9 @@ def test_a_users_learner_connector_piece_runs_on_the_training_batch(local_ray, p
         TASKS.pop("echo_by_name")
     total = {k: sum(s[k] for s in seen) for k in keys}
     trained = result["env_runners"]["num_episodes"]
-    assert [r["env_runners"]["num_episodes"] for r in results] == [8, 8]
+    assert [r["env_runners"]["num_episodes"] for r in results] == [8, 8, 8]
     assert trained == 8 and total["episodes"] >= trained     # every trained run went through it
     assert total["calls"] >= 1 and total["before_batch"] == total["calls"]
+    assert [r["xlong"]["policy_version"] for r in results] == [1, 2, 3]
+    assert [r["xlong"]["runs"] for r in results] == [8, 8, 8]
+    assert [r["evaluation"]["env_runners"]["num_episodes"] for r in results] == [4, 4, 4]

@@ -2,7 +2,8 @@
 shared trained algorithm (``conftest.trained_algo``: evaluation_interval=2,
 evaluation_duration=2, eval_samples=2, 3 iterations): the round's runs were placed on cells in
 rollout and ended there, no step trained them, the spool never held them, and the keys come at
-the interval only."""
+the interval only. Colocated cells with evaluation every iteration (every round complete, every
+step reported at once): ``test_algorithm.py``'s user connector piece job."""
 
 from __future__ import annotations
 
@@ -48,36 +49,3 @@ def test_evaluation_keys_come_at_the_interval(trained_algo):
         assert key in block, key
     assert block["policy_version"] == block["policy_version_max"] == 2   # the step just made
     assert block["eval_wait_s"] >= 0.0
-
-
-@pytest.mark.slow
-def test_colocated_cells_finish_a_round_and_every_step_is_reported(tmp_path):
-    """Colocated: every cell trains at once, so no cell hosts evaluation while a step trains;
-    evaluation lets the step apply (instead of waiting out its timeout) and the next ``train()``
-    reports that step at once: every round is complete and versions go 1, 2, 3."""
-    import os
-    import tempfile
-
-    import ray
-    from algo_helpers import small_config
-
-    from ray_xlong.models import build_tiny_model_dir
-
-    if ray.is_initialized():
-        ray.shutdown()
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        model_dir = str(build_tiny_model_dir(tmp_path / "policy", seed=0))
-        algo = (small_config(model_dir, mode="colocated").xlong(eval_samples=2)
-                .evaluation(evaluation_interval=1, evaluation_duration=2,
-                            evaluation_sample_timeout_s=600).build_algo())
-        try:
-            results = [algo.train() for _ in range(3)]
-        finally:
-            algo.stop()
-    finally:
-        ray.shutdown()
-    assert [r["xlong"]["policy_version"] for r in results] == [1, 2, 3]
-    assert [r["xlong"]["runs"] for r in results] == [8, 8, 8]
-    assert [r["evaluation"]["env_runners"]["num_episodes"] for r in results] == [4, 4, 4]
