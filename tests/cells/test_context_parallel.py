@@ -115,6 +115,45 @@ def test_context_parallel_step_equals_one_device(tmp_path, world):
             assert float((grads[name] - p.grad).abs().max()) <= 1e-4 * max(scale, 1e-12), name
 
 
+def _ring_group_rank(rank: int, model_dir: str, port: int, out: str) -> None:
+    from ray_xlong.cells.context_parallel import make_groups
+    from ray_xlong.trajectory.tree_attention import register
+
+    register()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=4)
+    group = make_groups(4, 2, rank)
+    model = load_model(model_dir, attn_implementation="xlong_tree")
+    local, plan, _ = rank_share(tree_batch(), rank=rank, world_size=4, context_parallel=2,
+                                group=group, exchange="ring")
+    assert plan.ring.rounds and any(plan.ring.rounds[0]) == (rank % 2 == 1)
+    logprobs = token_logprobs(model, local, plan=plan)
+    policy_loss(logprobs, local, LossConfig())[0].backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)                         # over both groups: the cell's gradient
+    torch.save({"grads": grads}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_ring_inside_two_groups_of_two_equals_one_device(tmp_path):
+    # 4 ranks, context_parallel=2: each group's ring passes blocks among its own two ranks
+    from ray_xlong.trajectory.tree_attention import register
+
+    register()
+    model = tiny_causal_lm(TinyModelConfig(vocab_size=64), attn_implementation="xlong_tree")
+    model.save_pretrained(tmp_path / "model")
+    mp.spawn(_ring_group_rank, args=(str(tmp_path / "model"), free_port(), str(tmp_path)),
+             nprocs=4)
+    batch = tree_batch()
+    policy_loss(token_logprobs(model, batch, chunk_tokens=0), batch, LossConfig())[0].backward()
+    grads = torch.load(tmp_path / "rank3.pt")["grads"]
+    for name, p in model.named_parameters():
+        scale = float(p.grad.abs().max())
+        assert float((grads[name] - p.grad).abs().max()) <= 1e-4 * max(scale, 1e-12), name
+
+
 def test_rows_split_by_token_ranges_cover_every_target_once():
     joined = join_rows(tree_batch(), [0, 1])
     n = int(joined.valid.sum())
