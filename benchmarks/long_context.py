@@ -158,7 +158,7 @@ def _rank(rank: int, ranks: int, shape: TreeShape, seed: int, model_dir: str, po
 
 
 def train(shape: TreeShape, ranks: int, *, seed: int, model_dir: str, work: str,
-          exchange: str = "spans") -> dict:
+          exchange: str = "ring") -> dict:
     """One configuration: its ranks' measurements, merged."""
     import torch.multiprocessing as mp
 
@@ -239,7 +239,7 @@ def bench(*, seed: int, tokens: list[int], ranks: list[int], segment: int,
             for r in ranks:
                 for exchange in (exchanges if r > 1 else ["-"]):
                     res = train(shape, r, seed=seed, model_dir=model_dir, work=work,
-                                exchange=exchange if r > 1 else "spans")
+                                exchange=exchange if r > 1 else "ring")
                     base = base or (res if r == 1 else None)
                     rows.append({**_row(n, r, res, base), "exchange": exchange})
         plans = [plan_report(TreeShape(tokens=n, segment=min(segment, max(n // 4, 64))), seed)
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--segment", type=int, default=4096)
     parser.add_argument("--logprob-targets", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=151_936)
-    parser.add_argument("--exchange", nargs="+", default=["spans"],
+    parser.add_argument("--exchange", nargs="+", default=["ring"],
                         choices=["spans", "all", "ring"],
                         help="K/V exchange(s) of the context-parallel runs")
     args = parser.parse_args(argv)

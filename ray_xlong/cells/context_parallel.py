@@ -31,7 +31,7 @@ from ray_xlong.trajectory.packing import PackedBatch
 
 def rank_share(batch: PackedBatch, *, rank: int, world_size: int, context_parallel: int,
                group: Any = None,
-               exchange: str = "spans") -> tuple[PackedBatch, ContextParallelPlan, int]:
+               exchange: str = "ring") -> tuple[PackedBatch, ContextParallelPlan, int]:
     """Rank ``rank``'s share of a tree micro-batch.
 
     Args:
@@ -40,9 +40,9 @@ def rank_share(batch: PackedBatch, *, rank: int, world_size: int, context_parall
         world_size: the cell's Learner ranks.
         context_parallel: ranks per row (divides ``world_size``).
         group: this rank's context-parallel process group (:func:`make_groups`).
-        exchange: ``spans`` (all-gather the ancestor spans other ranks need), ``all`` (whole
-            ranges) or ``ring`` (the spans, one rank's block at a time round the group;
-            ``trajectory.context_parallel.EXCHANGES``).
+        exchange: ``ring`` (the ancestor spans other ranks need, one rank's block at a time
+            round the group; the default), ``spans`` (the same spans all-gathered) or ``all``
+            (whole ranges; ``trajectory.context_parallel.EXCHANGES``).
 
     Returns:
         ``(local batch, plan, targets)``: pass the plan as ``token_logprobs(plan=...)``;

@@ -13,15 +13,16 @@ them — embeddings, MLPs, norms and the head see only its tokens::
 Attention, per layer (:class:`ContextParallelPlan`): every rank's pieces — segments of the
 tree cut at its range — need its own keys and *ancestor spans* held by other ranks (a tree's
 trunk, the start of a segment that crosses a boundary). The plan knows every rank's pieces
-(they follow from ``kv_end``), so the group all-gathers just the union of spans some rank needs
-from another (``exchange="spans"``, padded to the largest rank's share), or every rank's whole
-range (``exchange="all"``). Each rank then attends over its *context* — its own columns and the
-received spans, in row order — with the split-KV driver of ``split_kv.py`` (prefix in full +
-self causal, merged by logsumexp; the same kernels as one device). Only the local keys and
-values are kept for backward; backward gathers them again, runs the split-KV backward and
-reduce-scatters (sums) the received spans' key/value gradients back to their owners. Each
-rank's loss is the loss of its own targets (those predicted from its columns), so the ranks'
-losses and parameter gradients add up to one device's (FSDP's sum reduction, or any
+(they follow from ``kv_end``), so the group exchanges just the union of spans some rank needs
+from another: passed round a ring (``exchange="ring"``, the default, below) or all-gathered
+(``exchange="spans"``, padded to the largest rank's share), or every rank's whole range
+(``exchange="all"``). With the all-gathers each rank then attends over its *context* — its own
+columns and the received spans, in row order — with the split-KV driver of ``split_kv.py``
+(prefix in full + self causal, merged by logsumexp; the same kernels as one device). Only the
+local keys and values are kept for backward; backward gathers them again, runs the split-KV
+backward and reduce-scatters (sums) the received spans' key/value gradients back to their
+owners. Each rank's loss is the loss of its own targets (those predicted from its columns), so
+the ranks' losses and parameter gradients add up to one device's (FSDP's sum reduction, or any
 all-reduce).
 
 ``exchange="ring"`` (``ring.py``) sends the same spans as ``spans`` but one rank's block at a
@@ -273,7 +274,7 @@ def join_rows(batch: PackedBatch, rows: list[int]) -> PackedBatch:
 
 
 def shard_row(batch: PackedBatch, *, rank: int, size: int, group: Any = None,
-              exchange: str = "spans") -> tuple[PackedBatch, ContextParallelPlan]:
+              exchange: str = "ring") -> tuple[PackedBatch, ContextParallelPlan]:
     """Rank ``rank``'s share of a one-row tree batch (see the module docstring).
 
     Args:
@@ -281,7 +282,8 @@ def shard_row(batch: PackedBatch, *, rank: int, size: int, group: Any = None,
         rank: rank in the context-parallel group, ``0 <= rank < size``.
         size: ranks per row (``LearnerSettings.context_parallel``).
         group: their process group (None: the default group).
-        exchange: one of :data:`EXCHANGES`.
+        exchange: one of :data:`EXCHANGES` (``ring``: the least memory per rank, measured in
+            ``docs/long-context.md``).
 
     Returns:
         ``(local batch, plan)``: the local batch holds columns ``[start, start + width)``
