@@ -1,8 +1,9 @@
-"""One long tree row trained on 1, 2 and 4 context-parallel ranks: memory per rank, step time, exactness.
+"""One long tree row on 1, 2 and 4 context-parallel ranks: memory per rank, step time, exactness.
 
 Each configuration starts ``ranks`` fresh processes (gloo) that build a sharded cell Learner
 (``cells.sharded.LearnerRank``: FSDP2 over the ranks, ``LearnerSettings.context_parallel =
-ranks``; ``--exchange spans all`` runs both K/V exchanges) and train one step on the same tree of ``tokens`` tokens — one run's tree, one row::
+ranks``; ``--exchange spans all ring`` runs each K/V exchange) and train one step on the same
+tree of ``tokens`` tokens — one run's tree, one row::
 
     trunk (system prompt, seen by all) ─► compaction segments of --segment tokens, each a
     chain of turns (environment tokens, then model tokens: the targets) with a retry branch
@@ -157,7 +158,7 @@ def _rank(rank: int, ranks: int, shape: TreeShape, seed: int, model_dir: str, po
 
 
 def train(shape: TreeShape, ranks: int, *, seed: int, model_dir: str, work: str,
-          exchange: str = "spans") -> dict:
+          exchange: str = "ring") -> dict:
     """One configuration: its ranks' measurements, merged."""
     import torch.multiprocessing as mp
 
@@ -238,7 +239,7 @@ def bench(*, seed: int, tokens: list[int], ranks: list[int], segment: int,
             for r in ranks:
                 for exchange in (exchanges if r > 1 else ["-"]):
                     res = train(shape, r, seed=seed, model_dir=model_dir, work=work,
-                                exchange=exchange if r > 1 else "spans")
+                                exchange=exchange if r > 1 else "ring")
                     base = base or (res if r == 1 else None)
                     rows.append({**_row(n, r, res, base), "exchange": exchange})
         plans = [plan_report(TreeShape(tokens=n, segment=min(segment, max(n // 4, 64))), seed)
@@ -297,7 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--segment", type=int, default=4096)
     parser.add_argument("--logprob-targets", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=151_936)
-    parser.add_argument("--exchange", nargs="+", default=["spans"], choices=["spans", "all"],
+    parser.add_argument("--exchange", nargs="+", default=["ring"],
+                        choices=["spans", "all", "ring"],
                         help="K/V exchange(s) of the context-parallel runs")
     args = parser.parse_args(argv)
     tokens = args.tokens or ([2048, 4096] if args.smoke else [131_072, 524_288, 1_048_576])

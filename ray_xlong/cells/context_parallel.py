@@ -8,8 +8,8 @@ data-parallel groups of ``cp`` consecutive ranks, composed with FSDP2 over all `
     rows of a micro-batch   r ≡ g (mod N ÷ cp) ─► joined into one row (join_rows)
     inside a group          rank g·cp + i holds columns [i·W, (i+1)·W) of that row
                             (trajectory/context_parallel.py: the ancestor spans of K/V other
-                            ranks need all-gathered per layer inside the group, partial
-                            attention merged by logsumexp)
+                            ranks need exchanged per layer inside the group, all-gathered or
+                            passed round a ring, partial attention merged by logsumexp)
 
 Every rank runs exactly one forward and one backward per micro-batch (FSDP's and the
 group's collectives match); a group without rows trains row 0 with zero loss scale. Each rank's
@@ -31,7 +31,7 @@ from ray_xlong.trajectory.packing import PackedBatch
 
 def rank_share(batch: PackedBatch, *, rank: int, world_size: int, context_parallel: int,
                group: Any = None,
-               exchange: str = "spans") -> tuple[PackedBatch, ContextParallelPlan, int]:
+               exchange: str = "ring") -> tuple[PackedBatch, ContextParallelPlan, int]:
     """Rank ``rank``'s share of a tree micro-batch.
 
     Args:
@@ -40,8 +40,9 @@ def rank_share(batch: PackedBatch, *, rank: int, world_size: int, context_parall
         world_size: the cell's Learner ranks.
         context_parallel: ranks per row (divides ``world_size``).
         group: this rank's context-parallel process group (:func:`make_groups`).
-        exchange: ``spans`` (the ancestor spans other ranks need) or ``all`` (whole ranges;
-            ``trajectory.context_parallel.EXCHANGES``).
+        exchange: ``ring`` (the ancestor spans other ranks need, one rank's block at a time
+            round the group; the default), ``spans`` (the same spans all-gathered) or ``all``
+            (whole ranges; ``trajectory.context_parallel.EXCHANGES``).
 
     Returns:
         ``(local batch, plan, targets)``: pass the plan as ``token_logprobs(plan=...)``;

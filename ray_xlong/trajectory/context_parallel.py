@@ -13,20 +13,26 @@ them — embeddings, MLPs, norms and the head see only its tokens::
 Attention, per layer (:class:`ContextParallelPlan`): every rank's pieces — segments of the
 tree cut at its range — need its own keys and *ancestor spans* held by other ranks (a tree's
 trunk, the start of a segment that crosses a boundary). The plan knows every rank's pieces
-(they follow from ``kv_end``), so the group all-gathers just the union of spans some rank needs
-from another (``exchange="spans"``, padded to the largest rank's share), or every rank's whole
-range (``exchange="all"``). Each rank then attends over its *context* — its own columns and the
-received spans, in row order — with the split-KV driver of ``split_kv.py`` (prefix in full +
-self causal, merged by logsumexp; the same kernels as one device). Only the local keys and
-values are kept for backward; backward gathers them again, runs the split-KV backward and
-reduce-scatters (sums) the received spans' key/value gradients back to their owners. Each
-rank's loss is the loss of its own targets (those predicted from its columns), so the ranks'
-losses and parameter gradients add up to one device's (FSDP's sum reduction, or any
+(they follow from ``kv_end``), so the group exchanges just the union of spans some rank needs
+from another: passed round a ring (``exchange="ring"``, the default, below) or all-gathered
+(``exchange="spans"``, padded to the largest rank's share), or every rank's whole range
+(``exchange="all"``). With the all-gathers each rank then attends over its *context* — its own
+columns and the received spans, in row order — with the split-KV driver of ``split_kv.py``
+(prefix in full + self causal, merged by logsumexp; the same kernels as one device). Only the
+local keys and values are kept for backward; backward gathers them again, runs the split-KV
+backward and reduce-scatters (sums) the received spans' key/value gradients back to their
+owners. Each rank's loss is the loss of its own targets (those predicted from its columns), so
+the ranks' losses and parameter gradients add up to one device's (FSDP's sum reduction, or any
 all-reduce).
 
+``exchange="ring"`` (``ring.py``) sends the same spans as ``spans`` but one rank's block at a
+time, passed round the group point to point: in round ``k`` rank ``r`` attends the parts of its
+pieces' prefixes held by rank ``(r − k) mod size`` and merges by logsumexp; backward passes the
+blocks round again with their key/value gradients accumulating, then returns those to the owner.
+
 Memory per rank: activations of ``W`` tokens, plus per layer in flight the gathered spans
-(``spans``: the ancestors that cross ranks, e.g. a trunk; ``all``: the whole row's keys and
-values). A ring exchange (``size`` rounds per layer) is not implemented.
+(``spans``: every rank's block of ancestors that cross ranks, e.g. a trunk; ``all``: the whole
+row's keys and values; ``ring``: two blocks, the one attended and the one arriving).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ray_xlong.trajectory.packing import PackedBatch
+from ray_xlong.trajectory.ring import RingSchedule, ring_attention, ring_rounds, ring_schedule
 from ray_xlong.trajectory.split_kv import (Piece, Ranges, attend_pieces,
                                           attend_pieces_backward, kernel_for, tree_pieces)
 
@@ -46,9 +53,10 @@ class ContextParallelError(ValueError):
     """A context-parallel split that cannot be made (the message names both numbers)."""
 
 
-EXCHANGES = ("spans", "all")
-"""How a group exchanges keys and values: ``spans`` (the ancestor spans some rank of the group
-needs from another) or ``all`` (every rank's whole range)."""
+EXCHANGES = ("spans", "all", "ring")
+"""How a group exchanges keys and values: ``spans`` (all-gather the ancestor spans some rank of
+the group needs from another), ``all`` (all-gather every rank's whole range) or ``ring`` (the
+same spans as ``spans``, one rank's block at a time passed round the group: ``ring.py``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,6 +84,9 @@ class ContextParallelPlan:
     group: Any = None
     """The ``torch.distributed`` process group of the context-parallel ranks (None: the
     default group)."""
+    ring: RingSchedule | None = None
+    """``exchange="ring"``: the ring this rank runs (``pieces`` then describe the gathered
+    context of ``spans``, unused)."""
 
     @property
     def send(self) -> Ranges:
@@ -97,6 +108,8 @@ class ContextParallelPlan:
 
     def attend(self, query, key, value, *, scale: float) -> torch.Tensor:
         """``[1, H, width, D]`` attention of this rank's queries over their ancestors."""
+        if self.ring is not None:
+            return ring_attention(query, key, value, self.ring, scale=scale)
         return _ContextParallelAttention.apply(query, key, value, self, float(scale))
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -261,7 +274,7 @@ def join_rows(batch: PackedBatch, rows: list[int]) -> PackedBatch:
 
 
 def shard_row(batch: PackedBatch, *, rank: int, size: int, group: Any = None,
-              exchange: str = "spans") -> tuple[PackedBatch, ContextParallelPlan]:
+              exchange: str = "ring") -> tuple[PackedBatch, ContextParallelPlan]:
     """Rank ``rank``'s share of a one-row tree batch (see the module docstring).
 
     Args:
@@ -269,7 +282,8 @@ def shard_row(batch: PackedBatch, *, rank: int, size: int, group: Any = None,
         rank: rank in the context-parallel group, ``0 <= rank < size``.
         size: ranks per row (``LearnerSettings.context_parallel``).
         group: their process group (None: the default group).
-        exchange: one of :data:`EXCHANGES`.
+        exchange: one of :data:`EXCHANGES` (``ring``: the least memory per rank, measured in
+            ``docs/long-context.md``).
 
     Returns:
         ``(local batch, plan)``: the local batch holds columns ``[start, start + width)``
@@ -295,6 +309,10 @@ def shard_row(batch: PackedBatch, *, rank: int, size: int, group: Any = None,
     sends, pieces = _exchange(batch.attention_mask[0, :n].cpu().numpy(), n, width, size,
                               exchange)
     context, q_offset = _to_context(pieces[rank], sends, rank, width)
+    ring = None
+    if exchange == "ring":
+        ring = ring_schedule(pieces[rank], sends, rank=rank, size=size, width=width,
+                             rounds=ring_rounds(pieces, width, size), group=group)
 
     def cols(t: torch.Tensor, fill) -> torch.Tensor:
         out = t.new_full((1, width), fill)
@@ -310,7 +328,7 @@ def shard_row(batch: PackedBatch, *, rank: int, size: int, group: Any = None,
                         batch.advantages[mine], batch.loss_scale[mine], batch.target_run[mine],
                         batch.run_ids, cols(batch.valid, False))
     return local, ContextParallelPlan(context, start, width, rank, size,
-                                      tuple(tuple(x) for x in sends), q_offset, group)
+                                      tuple(tuple(x) for x in sends), q_offset, group, ring)
 
 
 def context_groups(world_size: int, size: int) -> list[Any]:

@@ -1,9 +1,11 @@
 """Context parallelism: a sharded cell's ranks split tree rows by token ranges (gloo, no Ray).
 
-Two processes run ``LearnerRank`` itself (FSDP2 over both, ``context_parallel=2``: one
-data-parallel group, every row joined and split in two) and, next to it, the plain model on
-the same rank share; the cell's summed gradient and the ranks' logprobs must equal one device's
-(fp32: logprobs ≤ 1e-4 abs, gradients ≤ 1e-4 relative to each tensor's largest entry).
+Two or four processes run ``LearnerRank`` itself (FSDP2 over all, ``context_parallel`` = the
+processes: one data-parallel group, every row joined and split) and, next to it, the plain
+model on the same rank share with each K/V exchange (``spans``, ``all``, ``ring``); the cell's
+summed gradient, each exchange's summed gradient and the ranks' logprobs must equal one
+device's (fp32: logprobs ≤ 1e-4 abs, gradients ≤ 1e-4 relative to each tensor's largest
+entry).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ray_xlong.cells.config import CellJobConfig, LearnerSettings
@@ -21,7 +24,8 @@ from ray_xlong.cells.sharding import ShardingSettings
 from ray_xlong.models import TinyModelConfig, load_model, tiny_causal_lm
 from ray_xlong.scheduling import SchedulingConfig
 from ray_xlong.trajectory import LossConfig, ProcessorConfig, TrajectoryProcessor, policy_loss
-from ray_xlong.trajectory.context_parallel import ContextParallelError, join_rows, shard_row
+from ray_xlong.trajectory.context_parallel import (EXCHANGES, ContextParallelError, join_rows,
+                                                   shard_row)
 from ray_xlong.trajectory.model import token_logprobs
 from ray_xlong.trajectory.synthetic import SyntheticConfig, synthetic_runs
 
@@ -53,20 +57,27 @@ def _rank(rank: int, world: int, model_dir: str, port: int, out: str) -> None:
     learner.setup("127.0.0.1", port)
     batch = tree_batch()
     learner.accumulate(batch.to_tensors())
-    grads = learner.take_gradients()
+    saved = {"grads": learner.take_gradients()}
     plain = load_model(model_dir, attn_implementation="xlong_tree")
-    local, plan, _ = rank_share(batch, rank=rank, world_size=world, context_parallel=world,
-                                group=learner.cp_group)
-    logprobs = token_logprobs(plain, local, plan=plan, chunk_tokens=5).detach()
-    joined = join_rows(batch, [0, 1])
-    _, every = shard_row(joined, rank=rank, size=world, group=learner.cp_group, exchange="all")
-    assert sum(every.sizes) == int(joined.valid.sum()) > sum(plan.sizes) > 0
-    everything = token_logprobs(plain, local, plan=every).detach()
-    torch.save({"grads": grads, "logprobs": logprobs, "src": local.target_src + plan.start,
-                "ids": local.target_ids, "all": everything}, f"{out}/rank{rank}.pt")
+    for exchange in EXCHANGES:                     # each exchange: logprobs, summed gradient
+        local, plan, _ = rank_share(batch, rank=rank, world_size=world, context_parallel=world,
+                                    group=learner.cp_group, exchange=exchange)
+        plain.zero_grad()
+        logprobs = token_logprobs(plain, local, plan=plan, chunk_tokens=5)
+        policy_loss(logprobs, local, settings.loss)[0].backward()
+        grads = {k: p.grad.clone() for k, p in plain.named_parameters()}
+        for g in grads.values():
+            dist.all_reduce(g, group=learner.cp_group)
+        saved[exchange] = {"logprobs": logprobs.detach(), "grads": grads, "sizes": plan.sizes,
+                           "src": local.target_src + plan.start, "ids": local.target_ids,
+                           "rounds": [len(parts) for parts in plan.ring.rounds]
+                           if plan.ring else None}
+    torch.save(saved, f"{out}/rank{rank}.pt")
 
 
-def test_two_rank_context_parallel_step_equals_one_device(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_step_equals_one_device(tmp_path, world):
+    # the cell's own step (LearnerRank, default exchange) and each exchange on the plain model
     from ray_xlong.trajectory.tree_attention import register
 
     register()
@@ -74,7 +85,8 @@ def test_two_rank_context_parallel_step_equals_one_device(tmp_path):
     model.save_pretrained(tmp_path / "model")
     batch = tree_batch()
     assert batch.input_ids.shape[0] == 2
-    mp.spawn(_rank, args=(2, str(tmp_path / "model"), free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_rank, args=(world, str(tmp_path / "model"), free_port(), str(tmp_path)),
+             nprocs=world)
 
     model.train()
     want_lp = token_logprobs(model, batch, chunk_tokens=0)
@@ -83,15 +95,60 @@ def test_two_rank_context_parallel_step_equals_one_device(tmp_path):
     joined = join_rows(batch, [0, 1])
     want = {(int(s), int(t)): float(v) for s, t, v in
             zip(joined.target_src, joined.target_ids, token_logprobs(model, joined).detach())}
-    for exchange in ("logprobs", "all"):           # ancestor spans, or whole ranges
+    parts = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    for exchange in EXCHANGES:
         got = {}
-        for rank in range(2):
-            part = torch.load(tmp_path / f"rank{rank}.pt")
+        for part in parts:
             got.update({(int(s), int(t)): float(v) for s, t, v in
-                        zip(part["src"], part["ids"], part[exchange])})
+                        zip(part[exchange]["src"], part[exchange]["ids"],
+                            part[exchange]["logprobs"])})
         assert got.keys() == want.keys() and len(got) == batch.num_targets > 50
-        assert max(abs(got[k] - want[k]) for k in want) <= 1e-4
-    grads = torch.load(tmp_path / "rank0.pt")["grads"]
+        assert max(abs(got[k] - want[k]) for k in want) <= 1e-4, exchange
+    sizes = {x: parts[0][x]["sizes"] for x in EXCHANGES}
+    assert sum(sizes["all"]) == int(joined.valid.sum()) > sum(sizes["spans"]) > 0
+    rounds = [part["ring"]["rounds"] for part in parts]
+    # the ring is exercised: some rank attends a block that came more than one hop (4 ranks)
+    assert max(len(r) for r in rounds) == world // 2 and rounds[-1][-1] > 0
+    for grads in [parts[0]["grads"]] + [parts[0][x]["grads"] for x in EXCHANGES]:
+        for name, p in model.named_parameters():
+            scale = float(p.grad.abs().max())
+            assert float((grads[name] - p.grad).abs().max()) <= 1e-4 * max(scale, 1e-12), name
+
+
+def _ring_group_rank(rank: int, model_dir: str, port: int, out: str) -> None:
+    from ray_xlong.cells.context_parallel import make_groups
+    from ray_xlong.trajectory.tree_attention import register
+
+    register()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=4)
+    group = make_groups(4, 2, rank)
+    model = load_model(model_dir, attn_implementation="xlong_tree")
+    local, plan, _ = rank_share(tree_batch(), rank=rank, world_size=4, context_parallel=2,
+                                group=group, exchange="ring")
+    assert plan.ring.rounds and any(plan.ring.rounds[0]) == (rank % 2 == 1)
+    logprobs = token_logprobs(model, local, plan=plan)
+    policy_loss(logprobs, local, LossConfig())[0].backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)                         # over both groups: the cell's gradient
+    torch.save({"grads": grads}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_ring_inside_two_groups_of_two_equals_one_device(tmp_path):
+    # 4 ranks, context_parallel=2: each group's ring passes blocks among its own two ranks
+    from ray_xlong.trajectory.tree_attention import register
+
+    register()
+    model = tiny_causal_lm(TinyModelConfig(vocab_size=64), attn_implementation="xlong_tree")
+    model.save_pretrained(tmp_path / "model")
+    mp.spawn(_ring_group_rank, args=(str(tmp_path / "model"), free_port(), str(tmp_path)),
+             nprocs=4)
+    batch = tree_batch()
+    policy_loss(token_logprobs(model, batch, chunk_tokens=0), batch, LossConfig())[0].backward()
+    grads = torch.load(tmp_path / "rank3.pt")["grads"]
     for name, p in model.named_parameters():
         scale = float(p.grad.abs().max())
         assert float((grads[name] - p.grad).abs().max()) <= 1e-4 * max(scale, 1e-12), name
@@ -128,6 +185,33 @@ def test_each_ranks_context_sees_exactly_what_the_mask_allows(size, exchange):
                 queries.append(cols[q])
         assert queries == list(range(plan.start, min(plan.start + plan.width,
                                                      int(joined.valid.sum()))))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5])
+def test_each_ranks_ring_rounds_see_exactly_what_the_mask_allows(size):
+    # round 0 (own columns) plus each visiting block's parts: every key the mask allows, once
+    from ray_xlong.trajectory.model import tree_mask_bool
+
+    joined = join_rows(tree_batch(), [0, 1])
+    mask = tree_mask_bool(joined.attention_mask)[0, 0]
+    n = int(joined.valid.sum())
+    for rank in range(size):
+        _, plan = shard_row(joined, rank=rank, size=size, exchange="ring")
+        ring, start = plan.ring, plan.start
+        seen = {q: [] for q in range(start, min(start + plan.width, n))}
+        for p in ring.local:
+            for q in range(p.start, p.stop):
+                seen[q + start] += [c + start for lo, hi in p.prefix for c in range(lo, hi)]
+                seen[q + start] += [c + start for c in range(p.start, q + 1)]
+        for k, parts in enumerate(ring.rounds, start=1):
+            owner = (rank - k) % size
+            block = [c for lo, hi in plan.spans[owner] for c in range(lo, hi)]
+            for p in parts:
+                for q in range(p.start, p.stop):
+                    seen[q + start] += [block[c] for lo, hi in p.ranges for c in range(lo, hi)]
+        for q, keys in seen.items():
+            assert sorted(keys) == torch.nonzero(mask[q]).flatten().tolist(), (rank, q)
+        assert sum(hi - lo for lo, hi in ring.send) <= ring.block
 
 
 def test_context_parallel_that_does_not_divide_the_ranks_names_both(tmp_path):
