@@ -34,15 +34,18 @@ test: setup
 # workers (one test file a worker at a time: a file's Ray cluster stays in one process), then
 # the fault, multi-node and `serial` tests alone (they time node deaths and recoveries, or count
 # what their cells did: another worker's load makes a busy node look dead or adds retries).
-# Both phases run; either failing fails the target. Each writes its JUnit XML
-# (`python tests/durations.py .pytest-phase*.xml` refreshes the file order of the first).
+# The second phase collects only the files that name those markers (conftest.py checks that
+# every such test is marked in its own file). Both phases run; either failing fails the target.
+# Each writes its JUnit XML (`python tests/durations.py .pytest-phase*.xml` refreshes the file
+# order of the first).
 # The phases share one warm-start cache (RX_TEST_CACHE), removed at the end.
 test-all: setup
 	export RX_TEST_CACHE=$$(mktemp -d /tmp/rx-test-XXXX); \
 	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile --junitxml=.pytest-phase1.xml \
 		-m "not (faults or multinode or serial)"; \
 	a=$$?; $(BIN)/python -m pytest -q --durations=10 --junitxml=.pytest-phase2.xml \
-		-m "faults or multinode or serial"; b=$$?; \
+		-m "faults or multinode or serial" \
+		$$(grep -rlE 'mark\.(faults|multinode|serial)\b' tests | sort); b=$$?; \
 	rm -rf $$RX_TEST_CACHE; exit $$(( a || b ))
 
 clean:
