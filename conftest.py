@@ -20,7 +20,7 @@ import pathlib
 
 import pytest
 
-from tests.shared import shared_dir
+from tests.shared import check_serial_marks_are_in_their_files, shared_dir
 
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER:
@@ -44,31 +44,14 @@ DURATIONS = pathlib.Path(__file__).parent / "tests" / "durations.json"
 from a run's JUnit XML): the order in which pytest-xdist hands out whole files."""
 
 
-SERIAL_MARKERS = ("faults", "multinode", "serial")
-"""Markers of the tests ``make test-all`` runs alone, after the others: it passes only the files
-whose source names one of them (``grep``), so each such test must be marked in its own file."""
-
-
-def _check_serial_marks_are_in_their_files(items) -> None:
-    texts: dict = {}
-    for item in items:
-        for name in {m.name for m in item.iter_markers()} & set(SERIAL_MARKERS):
-            if item.path not in texts:
-                texts[item.path] = item.path.read_text()
-            if f"mark.{name}" not in texts[item.path]:
-                raise pytest.UsageError(
-                    f"{item.nodeid} is marked {name!r} but {item.path.name} does not name "
-                    f"pytest.mark.{name}: make test-all's second phase would not collect it")
-
-
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist, the longest files go first (each worker takes whole files, so a long
     file handed out last leaves the other worker idle at the end: longest first keeps the
     workers' ends close); each file's tests keep their order. A file :data:`DURATIONS` does not
     list counts 30 s per slow test and 0.5 s per other one. A run without workers keeps pytest's
-    order. Every run checks that a test marked with one of :data:`SERIAL_MARKERS` is marked in
-    its own file."""
-    _check_serial_marks_are_in_their_files(items)
+    order. Every run checks that a test marked with one of ``tests.shared.SERIAL_MARKERS`` is
+    marked in its own file."""
+    check_serial_marks_are_in_their_files(items)
     if not _WORKER:
         return
     measured = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}

@@ -26,3 +26,24 @@ def run_lock(path: pathlib.Path):
     with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+SERIAL_MARKERS = ("faults", "multinode", "serial")
+"""Markers of the tests ``make test-all`` runs alone, after the others: it passes only the files
+whose source names one of them (``grep``), so each such test must be marked in its own file."""
+
+
+def check_serial_marks_are_in_their_files(items) -> None:
+    """Raise ``pytest.UsageError`` naming a test marked with one of :data:`SERIAL_MARKERS` whose
+    file does not name that mark (the root conftest calls it on every collection)."""
+    import pytest
+
+    texts: dict = {}
+    for item in items:
+        for name in {m.name for m in item.iter_markers()} & set(SERIAL_MARKERS):
+            if item.path not in texts:
+                texts[item.path] = item.path.read_text()
+            if f"mark.{name}" not in texts[item.path]:
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked {name!r} but {item.path.name} does not name "
+                    f"pytest.mark.{name}: make test-all's second phase would not collect it")

@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from conftest import _check_serial_marks_are_in_their_files
+from tests.shared import check_serial_marks_are_in_their_files
 
 
 @dataclasses.dataclass
@@ -25,11 +25,11 @@ class Item:
 def test_a_test_marked_in_its_own_file_passes(tmp_path):
     path = tmp_path / "test_a.py"
     path.write_text("pytestmark = [pytest.mark.faults]\n")
-    _check_serial_marks_are_in_their_files([Item(path, ("faults", "slow"))])
+    check_serial_marks_are_in_their_files([Item(path, ("faults", "slow"))])
 
 
 def test_a_mark_its_file_does_not_name_is_refused(tmp_path):
     path = tmp_path / "test_b.py"
     path.write_text("from shared import MARKS\npytestmark = MARKS\n")
     with pytest.raises(pytest.UsageError, match="marked 'multinode' but test_b.py"):
-        _check_serial_marks_are_in_their_files([Item(path, ("multinode",))])
+        check_serial_marks_are_in_their_files([Item(path, ("multinode",))])
