@@ -20,7 +20,7 @@ import pathlib
 
 import pytest
 
-from tests.shared import check_serial_marks_are_in_their_files, shared_dir
+from tests.shared import check_serial_marks_are_in_their_files, clean_tracker_env, shared_dir
 
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER:
@@ -67,3 +67,11 @@ def pytest_collection_modifyitems(config, items):
     for i, item in enumerate(items):
         first.setdefault(item.path, i)
     items.sort(key=lambda it: (-weight[it.path], first[it.path]))
+
+
+@pytest.fixture(autouse=True)
+def _no_tracker_env_between_tests():
+    """Each test starts without the experiment trackers' environment variables and leaves
+    none behind (``tests.shared.clean_tracker_env``)."""
+    with clean_tracker_env():
+        yield

@@ -47,3 +47,25 @@ def check_serial_marks_are_in_their_files(items) -> None:
                 raise pytest.UsageError(
                     f"{item.nodeid} is marked {name!r} but {item.path.name} does not name "
                     f"pytest.mark.{name}: make test-all's second phase would not collect it")
+
+
+TRACKER_ENV = ("WANDB_", "MLFLOW_")
+"""Environment prefixes the experiment trackers read and write: W&B saves its service's address
+in ``WANDB_SERVICE`` of the process that started it, and a Ray cluster started later hands it to
+its workers (the logging actors), so a run of one test would send another's W&B history to a
+service that is gone."""
+
+
+@contextlib.contextmanager
+def clean_tracker_env():
+    """Run without the trackers' environment variables, and leave none behind: those set inside
+    are removed, those there before come back."""
+    before = {k: v for k, v in os.environ.items() if k.startswith(TRACKER_ENV)}
+    for k in before:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k.startswith(TRACKER_ENV)]:
+            del os.environ[k]
+        os.environ.update(before)

@@ -99,7 +99,7 @@ FROM_CHECKPOINT = textwrap.dedent("""
     except ValueError as exc:
         error = str(exc)
     sys.path.insert(0, module_root)
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
     algo = XLongAlgorithm.from_checkpoint(path)
     restored = [algo.training_iteration, algo.policy_version]
     before = algo.get_state()["xlong"]

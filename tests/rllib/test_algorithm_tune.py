@@ -24,6 +24,7 @@ pytest.importorskip("mlflow")
 from ray_xlong.rllib.algorithm import STEP_METRICS, XLONG, XLongAlgorithm  # noqa: E402
 from ray_xlong.rllib.algorithm_config import XLongConfig  # noqa: E402
 from ray_xlong.rllib.trackers import tracker_callbacks  # noqa: E402
+from tests.shared import clean_tracker_env  # noqa: E402
 from tracker_readers import mlflow_history, tensorboard_scalars, wandb_history  # noqa: E402
 
 ROLES = ("rollout", "draining", "training", "syncing")
@@ -49,9 +50,9 @@ def trial(tmp_path_factory):
         ray.shutdown()
     tmp = tmp_path_factory.mktemp("tune")
     env = pytest.MonkeyPatch()
-    for name in ("WANDB_MODE", "WANDB_API_KEY", "MLFLOW_TRACKING_URI"):
-        env.delenv(name, raising=False)
     env.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rx", dir="/tmp"))  # short socket paths
+    trackers_env = clean_tracker_env()
+    trackers_env.__enter__()
     model_dir = str(build_tiny_model_dir(tmp / "policy", seed=0))
     # the trial's driver bundle (1 CPU) + two cells (1 CPU, 1 logical GPU each)
     ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, log_to_driver=False)
@@ -72,6 +73,7 @@ def trial(tmp_path_factory):
     finally:
         ray.shutdown()
         env.undo()
+        trackers_env.__exit__(None, None, None)
     result = grid[0]
     assert result.error is None, result.error
     assert set(result.metrics[XLONG]) == XLONG_KEYS
