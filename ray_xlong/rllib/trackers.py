@@ -16,6 +16,7 @@ the same way. Turn them on with ``run.trackers: [wandb, mlflow]`` in a config fi
 
 * W&B: ``wandb.init(mode=...)`` with ``WANDB_MODE`` if set, else ``offline`` unless an API key
   is configured (``WANDB_API_KEY``); offline runs land in ``out_dir/wandb/`` (``wandb sync``).
+  The logging actor waits for W&B to write everything before it ends (``wandb.teardown()``).
 * MLflow: ``MLFLOW_TRACKING_URI`` if set, else a file store ``out_dir/mlruns`` (MLflow 3 keeps
   file stores behind ``MLFLOW_ALLOW_FILE_STORE=true``, set here; ``mlflow-skinny`` suffices, no
   database); experiment = the project.
@@ -23,6 +24,7 @@ the same way. Turn them on with ``run.trackers: [wandb, mlflow]`` in a config fi
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import uuid
@@ -62,13 +64,11 @@ def tracker_callbacks(trackers: Sequence[str], *, project: str,
     for name in dict.fromkeys(trackers):
         _need(name)
         if name == "wandb":
-            from ray.air.integrations.wandb import WandbLoggerCallback
-
             (out / "wandb").mkdir(parents=True, exist_ok=True)
             mode = wandb_mode()
             os.environ["WANDB_MODE"] = mode        # Ray's callback asks for a key unless set
-            callbacks.append(WandbLoggerCallback(project=project, mode=mode,
-                                                 dir=str(out), log_config=False))
+            callbacks.append(_wandb_callback_class()(project=project, mode=mode,
+                                                     dir=str(out), log_config=False))
         elif name == "mlflow":
             from ray.air.integrations.mlflow import MLflowLoggerCallback
 
@@ -83,6 +83,28 @@ def tracker_callbacks(trackers: Sequence[str], *, project: str,
 
             callbacks.append(TBXLoggerCallback())
     return callbacks
+
+
+@functools.cache
+def _wandb_callback_class() -> type:
+    """Ray's ``WandbLoggerCallback`` whose logging actor returns only once W&B has written
+    everything: Ray kills the actor as soon as its ``run()`` returns, and ``wandb.finish()``
+    (0.31) returns before the ``wandb-core`` process has written the run's history, so under
+    load an offline run kept only its header (measured in CI: history lost, the core's log cut
+    off after the finish). ``wandb.teardown()`` waits for the core to finish and exit."""
+    from ray.air.integrations.wandb import WandbLoggerCallback, _WandbLoggingActor
+
+    class _FlushedWandbLoggingActor(_WandbLoggingActor):
+        def run(self):
+            try:
+                super().run()
+            finally:
+                self._wandb.teardown()
+
+    class FlushedWandbLoggerCallback(WandbLoggerCallback):
+        _logger_actor_cls = _FlushedWandbLoggingActor
+
+    return FlushedWandbLoggerCallback
 
 
 def wandb_mode() -> str:
