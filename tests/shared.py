@@ -50,10 +50,9 @@ def check_serial_marks_are_in_their_files(items) -> None:
 
 
 TRACKER_ENV = ("WANDB_", "MLFLOW_")
-"""Environment prefixes the experiment trackers read and write: W&B saves its service's address
-in ``WANDB_SERVICE`` of the process that started it, and a Ray cluster started later hands it to
-its workers (the logging actors), so a run of one test would send another's W&B history to a
-service that is gone."""
+"""Environment prefixes the experiment trackers read and write (``WANDB_MODE``, W&B's service
+address ``WANDB_SERVICE``, ``MLFLOW_*``): one test's settings must not reach another's, nor the
+workers of a Ray cluster it starts later (they inherit the driver's environment)."""
 
 
 @contextlib.contextmanager
