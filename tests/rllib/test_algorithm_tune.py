@@ -49,31 +49,29 @@ def trial(tmp_path_factory):
     if ray.is_initialized():
         ray.shutdown()
     tmp = tmp_path_factory.mktemp("tune")
-    env = pytest.MonkeyPatch()
-    env.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rx", dir="/tmp"))  # short socket paths
-    trackers_env = clean_tracker_env()
-    trackers_env.__enter__()
-    model_dir = str(build_tiny_model_dir(tmp / "policy", seed=0))
-    # the trial's driver bundle (1 CPU) + two cells (1 CPU, 1 logical GPU each)
-    ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, log_to_driver=False)
-    config = (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=4)
-              .debugging(seed=0)
-              .xlong(mode="elastic", cells=2, runs_per_group=2, slots_per_cell=4,
-                     model_dir=model_dir, placement_strategy="PACK", eval_samples=2)
-              .evaluation(evaluation_interval=2, evaluation_duration=1,
-                          evaluation_num_env_runners=1, evaluation_parallel_to_training=True,
-                          evaluation_config={"num_cpus_per_env_runner": 0}))
     out = tmp / "trackers"
-    try:
-        grid = tune.Tuner(XLongAlgorithm, param_space=config, run_config=tune.RunConfig(
-            name="xlong", storage_path=str(tmp / "results"), stop={"training_iteration": 2},
-            verbose=0, callbacks=tracker_callbacks(("wandb", "mlflow"), project="xl",
-                                                   out_dir=out))).fit()
-        assert os.environ.get("WANDB_MODE") == "offline"
-    finally:
-        ray.shutdown()
-        env.undo()
-        trackers_env.__exit__(None, None, None)
+    with pytest.MonkeyPatch.context() as env, clean_tracker_env():
+        env.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rx", dir="/tmp"))  # short sockets
+        model_dir = str(build_tiny_model_dir(tmp / "policy", seed=0))
+        # the trial's driver bundle (1 CPU) + two cells (1 CPU, 1 logical GPU each)
+        ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, log_to_driver=False)
+        config = (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=4)
+                  .debugging(seed=0)
+                  .xlong(mode="elastic", cells=2, runs_per_group=2, slots_per_cell=4,
+                         model_dir=model_dir, placement_strategy="PACK", eval_samples=2)
+                  .evaluation(evaluation_interval=2, evaluation_duration=1,
+                              evaluation_num_env_runners=1,
+                              evaluation_parallel_to_training=True,
+                              evaluation_config={"num_cpus_per_env_runner": 0}))
+        try:
+            grid = tune.Tuner(XLongAlgorithm, param_space=config, run_config=tune.RunConfig(
+                name="xlong", storage_path=str(tmp / "results"),
+                stop={"training_iteration": 2}, verbose=0,
+                callbacks=tracker_callbacks(("wandb", "mlflow"), project="xl",
+                                            out_dir=out))).fit()
+            assert os.environ.get("WANDB_MODE") == "offline"
+        finally:
+            ray.shutdown()
     result = grid[0]
     assert result.error is None, result.error
     assert set(result.metrics[XLONG]) == XLONG_KEYS
