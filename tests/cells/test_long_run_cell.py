@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 import tempfile
@@ -124,7 +125,11 @@ def test_a_300_call_run_trains_on_two_context_parallel_ranks_and_reaches_the_eng
             stats = ray.get(cell.learner.take_step_stats.remote(0))
             assert stats is not None and stats.loss.tokens > 0
             assert stats.loss.log_ratio_max <= 1e-4, stats.loss
-            assert stats.loss.loss_sum != 0.0 and stats.grad_norm > 0 and stats.total > 0
+            # both runs train the oracle's 200 steps (the odd one scores 200/220): as many
+            # targets with opposite advantages, so at ratio ~1 the loss's value is ~0 (exactly
+            # 0.0 in some runs); its gradient is not: the step moves the weights
+            assert math.isfinite(stats.loss.loss_sum) and stats.grad_norm > 0 \
+                and stats.total > 0
 
             # step 2's runs ran on version 1, whose logprobs (the engine's, on one device)
             # equal the Learner's 2-rank ones: the new weights reached the engine
