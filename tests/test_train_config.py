@@ -125,11 +125,13 @@ def test_there_are_example_configs():
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_train_from_the_tracked_example_config_writes_every_tracker(tmp_path, monkeypatch):
+def test_train_from_the_tracked_example_config_writes_every_tracker(tmp_path, monkeypatch,
+                                                                    warm_cache):
     """``ray-xlong train --config examples/configs/smoke_hf_tracked.yaml`` (one RL step of the
     lookup task through XLongAlgorithm on HF engines): the effective config, W&B offline run,
     MLflow file store and TensorBoard events are written, and the driver's event log, which
-    ``ray-xlong timeline`` draws."""
+    ``ray-xlong timeline`` draws. Seed 1 in the shared model cache: the policy the main job's
+    test warm-starts (``make run``'s seed and chat style), not a warm start of its own."""
     from ray_xlong.cli import main
     from ray_xlong.scheduling.events import from_jsonl
 
@@ -137,8 +139,8 @@ def test_train_from_the_tracked_example_config_writes_every_tracker(tmp_path, mo
         monkeypatch.delenv(name, raising=False)
     out = tmp_path / "out"
     assert main(["train", "--config", str(ROOT / "examples/configs/smoke_hf_tracked.yaml"),
-                 "--steps", "1", "--set", f"run.out={out}",
-                 "--set", f"run.workdir={tmp_path / 'cache'}"]) == 0
+                 "--steps", "1", "--set", f"run.out={out}", "--set", "run.seed=1",
+                 "--set", f"run.workdir={warm_cache}"]) == 0
     assert load_spec(str(out / "config.yaml"), base=TrainSpec()).run.trackers == ("wandb",
                                                                                  "mlflow")
     trackers = out / "trackers"
