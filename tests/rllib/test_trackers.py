@@ -24,9 +24,7 @@ REWARD = "env_runners/episode_return_mean"
 
 @pytest.fixture
 def local_ray(monkeypatch):
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    """A one-CPU Ray (the root conftest's autouse fixture has cleared the trackers' settings)."""
     if ray.is_initialized():
         ray.shutdown()
     monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rx", dir="/tmp"))
