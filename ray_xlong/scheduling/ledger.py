@@ -40,6 +40,8 @@ class GroupLedger:
         self._ready: list[tuple[int, int]] = []  # (version, group), untaken
         self._untaken: dict[int, int] = {}  # version -> started groups not yet taken
         self._untaken_ready: dict[int, int] = {}  # version -> ready groups not yet taken
+        self._rev = 0  # bumped on every change of the two tables above (``_plan``'s memo key)
+        self._memo: tuple[tuple[int, int, int], int] | None = None
 
     # -- admission -------------------------------------------------------------------------
     def admitted_groups(self, version: int) -> int:
@@ -65,6 +67,7 @@ class GroupLedger:
             if run % g_size == 0:
                 self.group_version[group] = version
                 self._untaken[version] = self._untaken.get(version, 0) + 1
+                self._rev += 1
         self.next_run += count
         return runs
 
@@ -77,10 +80,24 @@ class GroupLedger:
         self.runs_left[group] -= 1
         if self.runs_left[group]:
             return False
+        self._mark_ready(group)
+        return True
+
+    def _mark_ready(self, group: int) -> None:
         version = self.group_version[group]
         heapq.heappush(self._ready, (version, group))
         self._untaken_ready[version] = self._untaken_ready.get(version, 0) + 1
-        return True
+        self._rev += 1
+
+    def resume_group(self, group: int, version: int, ended: int) -> None:
+        """Put ``group`` (started at ``version``, ``ended`` of its runs ended) back as a resumed
+        job had it (the simulator's ``StartState``); ready when every run ended."""
+        self.group_version[group] = version
+        self._untaken[version] = self._untaken.get(version, 0) + 1
+        self._rev += 1
+        self.runs_left[group] = self.config.runs_per_group - ended
+        if not self.runs_left[group]:
+            self._mark_ready(group)
 
     @property
     def ready_groups(self) -> int:
@@ -89,24 +106,32 @@ class GroupLedger:
 
     # -- selection -------------------------------------------------------------------------
     def _plan(self, step: int, taken: int) -> int:
-        """How many ready groups (oldest first) step ``step`` holding ``taken`` may take now."""
+        """How many ready groups (oldest first) step ``step`` holding ``taken`` may take now
+        (memoised until the next change of the tables: a simulation asks at every decision)."""
+        key = (self._rev, step, taken)
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1]
         b, batch = self.config.staleness_bound, self.config.batch_groups
-        horizon = max(self._untaken, default=step) + b
-        slack, cum = {}, 0
-        versions = sorted(self._untaken)
-        for t in range(step, horizon + 1):
-            cum = sum(self._untaken[v] for v in versions if v <= t - b)
+        untaken = self._untaken
+        horizon = max(untaken, default=step) + b
+        versions = sorted(untaken)
+        slack, cum, i = {}, 0, 0
+        for t in range(step, horizon + 1):   # cum: untaken groups of version <= t - b
+            while i < len(versions) and versions[i] <= t - b:
+                cum += untaken[versions[i]]
+                i += 1
             slack[t] = (t - step + 1) * batch - taken - cum
         total = 0
         for v in sorted(self._untaken_ready):
+            ready = self._untaken_ready[v]
             window = [slack[t] for t in range(step, v + b)]
-            k = min(self._untaken_ready[v], min(window, default=self._untaken_ready[v]))
-            k = max(0, k)
+            k = max(0, min(ready, min(window, default=ready)))
             for t in range(step, v + b):
                 slack[t] -= k
             total += k
-            if k < self._untaken_ready[v]:
+            if k < ready:
                 break
+        self._memo = (key, total)
         return total
 
     def takeable(self, step: int, taken: int) -> int:
@@ -123,6 +148,7 @@ class GroupLedger:
                     f"group {group} (version {version}) at step {step} exceeds "
                     f"staleness_bound={self.config.staleness_bound}"
                 )
+            self._rev += 1
             for table in (self._untaken, self._untaken_ready):
                 table[version] -= 1
                 if not table[version]:

@@ -62,6 +62,7 @@ class CellMachine:
         self.restart: collections.deque[int] = collections.deque()  # orphaned runs, FIFO
         self.log: list[Event] = [Event(0.0, "start")]
         self.observed = 0  # events a learning policy has been shown (settle)
+        self._cell_states: dict[int, tuple[tuple, CellState]] = {}  # snapshot's per-cell reuse
 
     # -- moves -----------------------------------------------------------------------------
     def apply(self, move: Move, now: float) -> list[int]:
@@ -321,16 +322,21 @@ class CellMachine:
 
     # -- snapshot --------------------------------------------------------------------------
     def snapshot(self, now: float) -> ClusterState:
-        """Immutable picture for a policy."""
-        cells = tuple(
-            CellState(
-                cell=c, role=self.role[c], live_runs=len(self.live[c]), slots=self.slots[c],
-                step=self.step_of[c], ready_at=self.ready_at[c],
-                oldest_run_start=next(iter(self.live[c].values()), INF),
-                newest_run_start=next(reversed(self.live[c].values()), INF),
-            )
-            for c in range(len(self.slots)) if c not in self.retired
-        )
+        """Immutable picture for a policy. A cell whose fields did not change since the last
+        snapshot keeps its ``CellState`` object (a simulation takes one at every decision)."""
+        cells = []
+        reuse = self._cell_states
+        for c in range(len(self.slots)):
+            if c in self.retired:
+                continue
+            live = self.live[c]
+            key = (self.role[c], len(live), self.slots[c], self.step_of[c], self.ready_at[c],
+                   next(iter(live.values()), INF), next(reversed(live.values()), INF))
+            kept = reuse.get(c)
+            if kept is None or kept[0] != key:
+                kept = reuse[c] = (key, CellState(c, *key))
+            cells.append(kept[1])
+        cells = tuple(cells)
         ledger = self.ledger
         next_step = self.step if self.step >= 0 else self.version
         return ClusterState(

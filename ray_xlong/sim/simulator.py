@@ -124,12 +124,7 @@ class _Sim:
             if ended < 0:
                 raise ValueError(f"StartState: group {g} has {len(live)} live runs, "
                                  f"{unstarted} not started, group size {g_size}")
-            led.group_version[g] = version
-            led._untaken[version] = led._untaken.get(version, 0) + 1
-            led.runs_left[g] = g_size - ended
-            if not led.runs_left[g]:
-                heapq.heappush(led._ready, (version, g))
-                led._untaken_ready[version] = led._untaken_ready.get(version, 0) + 1
+            led.resume_group(g, version, ended)
             for j, (began, cell, left) in enumerate(live):
                 run = g * g_size + ended + j
                 m.live[cell][run] = began
