@@ -43,6 +43,17 @@ class GroupLedger:
         self._rev = 0  # bumped on every change of the two tables above (``_plan``'s memo key)
         self._memo: tuple[tuple[int, int, int], int] | None = None
 
+    def __getstate__(self) -> dict:
+        """Pickled without ``_plan``'s memo (checkpoints hold the ledger)."""
+        state = dict(self.__dict__)
+        state["_memo"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_rev", 0)   # a ledger pickled before the memo existed
+        self._memo = None
+
     # -- admission -------------------------------------------------------------------------
     def admitted_groups(self, version: int) -> int:
         """Groups that may have started while the policy version is ``version``."""

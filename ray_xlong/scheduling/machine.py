@@ -64,6 +64,16 @@ class CellMachine:
         self.observed = 0  # events a learning policy has been shown (settle)
         self._cell_states: dict[int, tuple[tuple, CellState]] = {}  # snapshot's per-cell reuse
 
+    def __getstate__(self) -> dict:
+        """Pickled without the snapshot's reuse table (a cache; checkpoints hold the machine)."""
+        state = dict(self.__dict__)
+        state.pop("_cell_states", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._cell_states = {}   # also for machines pickled before the table existed
+
     # -- moves -----------------------------------------------------------------------------
     def apply(self, move: Move, now: float) -> list[int]:
         """Validate and apply ``move``; returns the run ids started (StartRuns), else []."""

@@ -93,3 +93,36 @@ def test_snapshot_counts():
     assert [c.live_runs for c in s.cells] == [2, 0]
     assert s.startable_runs == 0 and s.unstarted_runs == 2 and s.live_runs == 2
     assert s.cells[0].free_slots == 2 and s.cells[0].oldest_run_start == 0.0
+
+
+def test_snapshot_follows_every_change_and_survives_a_pickle_of_either_form():
+    """The snapshot reuses a cell's ``CellState`` and the ledger memoises its take plan: both
+    must follow each change, and a machine pickled without them (a checkpoint written before
+    they existed) must resume."""
+    import pickle
+
+    from ray_xlong.scheduling.ledger import GroupLedger
+
+    m = machine()
+    m.apply(StartRuns(0, 2), 0.0)
+    first = m.snapshot(0.0)
+    assert m.snapshot(0.5).cells[1] is first.cells[1]          # unchanged cell: same object
+    m.apply(Drain(0), 0.5)
+    m.run_ended(0, 0, 1.0)
+    assert m.snapshot(1.0).takeable_groups == 0
+    m.run_ended(0, 1, 2.0)
+    now = m.snapshot(2.0)
+    assert now.cells[0].role is Role.DRAINING and now.cells[0].live_runs == 0
+    assert now.takeable_groups == 1 and now.ready_groups == 1
+
+    again = pickle.loads(pickle.dumps(m))
+    assert again.snapshot(2.0) == now
+    old = {k: v for k, v in vars(m).items() if k != "_cell_states"}
+    ledger = GroupLedger.__new__(GroupLedger)
+    ledger.__setstate__({k: v for k, v in vars(m.ledger).items() if k not in ("_rev", "_memo")})
+    old["ledger"] = ledger
+    resumed = CellMachine.__new__(CellMachine)
+    resumed.__setstate__(old)
+    assert resumed.snapshot(2.0) == now
+    resumed.apply(StartTraining(0, 0), 2.0)
+    assert resumed.take_groups() == [0] and resumed.snapshot(2.0).takeable_groups == 0
