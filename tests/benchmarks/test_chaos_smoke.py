@@ -1,7 +1,7 @@
 """The CI version of the chaos run (``benchmarks/chaos.py --smoke``: faults of random kinds every
-30-60 s for 3 minutes while the elastic job learns, on a 3-node ``cluster_utils`` cluster):
+10-20 s for 90 seconds while the elastic job learns, on a 3-node ``cluster_utils`` cluster):
 nothing lost, nothing trained twice, faults of several kinds injected and recovered from, the
-JSON fields. The reward trend is reported, not asserted: 3 minutes are too few steps for it to
+JSON fields. The reward trend is reported, not asserted: 60 steps are too few for it to
 rise above the noise (the 20-minute run in docs/benchmarks.md is where it is read)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_chaos_smoke(tmp_path, warm_cache):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "| runs lost | trained twice |" in proc.stdout
     r = json.loads(out.read_text())
-    assert r["minutes"] == 3.0 and r["audit_ok"] and r["versions_consistent"]
+    assert r["minutes"] == 1.5 and r["audit_ok"] and r["versions_consistent"]
     assert r["runs_lost"] == 0 and r["runs_trained_twice"] == 0
     assert r["faults_total"] >= 2, r["faults_injected"]
     assert set(r["faults_injected"]) == {"runner", "learner", "node", "driver"}
