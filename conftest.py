@@ -10,6 +10,11 @@ for one warm start.
 Under pytest-xdist (``make test-all`` runs the suite on 2 workers) each worker gets its own
 ``RAY_TMPDIR``: ``ray.init()`` without an address joins the cluster recorded in its temp dir,
 which would otherwise be another worker's ``cluster_utils`` cluster.
+
+Every Ray a test starts (its own ``ray.init``, a ``cluster_utils`` cluster, a subprocess's)
+keeps its idle task workers (``RAY_num_workers_soft_limit``), as the package's embedded Ray does
+(``cells.ray_edge.KEEP_TASK_WORKERS``): on a few logical CPUs Ray would otherwise start a fresh
+worker for every join and gradient-sum task.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pytest
 
 from tests.shared import check_serial_marks_are_in_their_files, clean_tracker_env, shared_dir
 
+os.environ.setdefault("RAY_num_workers_soft_limit", "64")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER:
     os.environ["RAY_TMPDIR"] = f"{os.environ.get('RAY_TMPDIR', '/tmp/ray')}_{_WORKER}"

@@ -25,6 +25,15 @@ import ray
 
 from ray_xlong.cells.reduce import reduce_gradients
 
+KEEP_TASK_WORKERS = {"num_workers_soft_limit": 64}
+"""``_system_config`` of every embedded Ray the package starts: keep idle task workers. Ray's
+soft limit on idle workers is the node's (logical) CPU count; with two actors a cell a small
+embedded Ray is always over it, so Ray killed every idle task worker and each task of a job (a
+step's gradient sum, ``reduce._add``; a sharded cell's joins, ``rank_joins``) started a fresh
+Python worker: 1-5 s of CPU each, dozens a step. (``RAY_num_workers_soft_limit`` in the
+environment does the same for a Ray started elsewhere, e.g. by a test.) A cluster with real CPUs
+per node stays under its limit and needs nothing."""
+
 
 class RayCalls(Protocol):
     """What the runtime's logic asks of Ray besides actor calls."""

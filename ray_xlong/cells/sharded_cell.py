@@ -9,6 +9,7 @@ handle.method.remote(*args)   the call goes to every rank, in order (the ranks' 
                               rank fails (steps, loads: a rank lost mid-step fails the cell's
                               call at once, not after the survivors' collective times out)
 take_step_stats               every rank's part merged into the cell's (merge_rank_stats)
+rank_joins                    the joins, as Ray tasks in a module that imports no torch
 start_sharded_cell            one LearnerRank actor per rank over the cell's bundles, set up
                               into one process group (rank 0 hosts the rendezvous)
 ```
@@ -20,37 +21,9 @@ import functools
 from typing import Any, Sequence
 
 from ray_xlong.cells.learner_settings import LearnerSettings
+from ray_xlong.cells.rank_joins import first, merged
 from ray_xlong.cells.sharded import BatchOf, LearnerRank
 from ray_xlong.cells.sharding import ShardingSettings, rank_placements
-from ray_xlong.trajectory.loss_stats import LearnerStepStats
-
-
-def _first(refs: list[Any]) -> Any:
-    """Rank 0's value once every rank's call succeeded; fails with the first rank that fails,
-    as soon as it fails (the refs arrive in a list, so Ray does not wait for all of them)."""
-    import ray
-
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done[0])
-    return ray.get(refs[0])
-
-
-def merge_rank_stats(parts: Sequence[LearnerStepStats | None]) -> LearnerStepStats | None:
-    """One cell's :class:`LearnerStepStats` from its ranks' parts (None: no rank took part)."""
-    out = None
-    for part in parts:
-        if part is not None:
-            out = part if out is None else out.merge_ranks(part)
-    return out
-
-
-def _merged(refs: list[Any]) -> LearnerStepStats | None:
-    """Every rank's step statistics, merged into the cell's (:func:`merge_rank_stats`)."""
-    import ray
-
-    return merge_rank_stats(ray.get(refs))
 
 
 @functools.cache
@@ -80,7 +53,7 @@ class _EveryRank:
     fails when any rank failed (steps, loads)."""
 
     def __init__(self, *, rank0: bool = False, merge: bool = False) -> None:
-        self.combine = None if rank0 else _merged if merge else _first
+        self.combine = None if rank0 else merged if merge else first
         self.name = ""
 
     def __set_name__(self, owner: type, name: str) -> None:

@@ -51,6 +51,7 @@ def main() -> None:  # pragma: no cover - demo
 
     import ray
 
+    from ray_xlong.cells.ray_edge import KEEP_TASK_WORKERS
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.cells.layout import CellLayout
     from ray_xlong.cells.config import LearnerSettings
@@ -58,7 +59,7 @@ def main() -> None:  # pragma: no cover - demo
 
     tmp = tempfile.mkdtemp(prefix="rx", dir="/tmp")
     os.environ.setdefault("RAY_TMPDIR", tmp)
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False)
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _system_config=KEEP_TASK_WORKERS)
     model_dir = str(build_tiny_model_dir(os.path.join(tmp, "m"), seed=0))
     config = CellJobConfig(mode="elastic", job=SchedulingConfig(2, 2, 2, 1),
                          layout=CellLayout(cells=2, cpus_per_bundle=1.0),

@@ -45,14 +45,6 @@ time (its first plan, from the calibration, is made before the job starts: ``pre
 paper8, with no limit, 9 plans of 0.2–1 s each (load 15–50) made it 3.8 s slower than
 forecast, which it followed (``PlanCosts.wall_budget``)."""
 
-KEEP_TASK_WORKERS = {"num_workers_soft_limit": 64}
-"""Ray settings of the embedded Ray: keep idle task workers. With two actors a cell there are
-more workers than the (logical) CPUs, the soft limit, so Ray kills every idle task worker and
-each step's gradient sum (the ``reduce._add`` task) started a fresh Python worker: 4-5 s on
-this machine, measured, a step after a few idle seconds — a start-up cost of the test bed
-that the simulator's fixed step cost (a median) cannot hold and that a cluster with real CPUs
-per node does not pay."""
-
 SIZES = {  # cells, steps, groups/step, runs/group, slots, async rollout cells, task steps,
     # median tool latency (task seconds; 3600 = one wall second)
     "smoke": dict(cells=2, steps=2, batch=2, group=2, slots=2, async_rollout=1, task_steps=3,
@@ -402,6 +394,7 @@ def run_comparison(*, size: str, seed: int, modes=MODES, address: str | None = N
     """
     import ray
 
+    from ray_xlong.cells.ray_edge import KEEP_TASK_WORKERS
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.jobs.driver import start_cells
 

@@ -72,13 +72,17 @@ def _harness(chat: str) -> dict:
 
 
 def ensure_ray(cpus: int, gpus: int) -> None:
-    """Start an embedded local Ray (temp dir under /tmp: Ray's socket paths are short)."""
+    """Start an embedded local Ray (temp dir under /tmp: Ray's socket paths are short; idle task
+    workers kept: ``ray_edge.KEEP_TASK_WORKERS``)."""
     import ray
 
     if ray.is_initialized():
         return
+    from ray_xlong.cells.ray_edge import KEEP_TASK_WORKERS
+
     os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="rx", dir="/tmp"))
-    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
+             _system_config=KEEP_TASK_WORKERS)
 
 
 def run_training(*, mode: str, steps: int, seed: int, workdir: str | pathlib.Path,

@@ -58,6 +58,7 @@ from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.debug import update_global_seed_if_necessary
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
+from ray_xlong.cells.ray_edge import KEEP_TASK_WORKERS
 from ray_xlong.checks import is_int as _is_int
 from ray_xlong.rllib import results as rx_results
 from ray_xlong.rllib.evaluation import attach as attach_evaluation, eval_tasks
@@ -369,7 +370,7 @@ def _ensure_ray(layout) -> None:
     cpus = max(os.cpu_count() or 1, layout.cells * layout.nodes_per_cell
                * layout.cpus_per_bundle)
     ray.init(num_cpus=int(-(-cpus // 1)), num_gpus=gpus, include_dashboard=False,
-             log_to_driver=False)
+             log_to_driver=False, _system_config=KEEP_TASK_WORKERS)
 
 
 class XLongConfig(AlgorithmConfig):

@@ -57,7 +57,7 @@ def test_the_simulator_of_a_ray_job_blocks_on_the_step_finish_as_the_driver_does
 def test_the_embedded_ray_keeps_idle_task_workers():
     # 16 actors on 8 logical CPUs: above Ray's default soft limit every idle task worker is
     # killed, and each step's gradient sum paid a fresh Python worker (4-5 s measured)
-    from ray_xlong.jobs.mode_bench import KEEP_TASK_WORKERS
+    from ray_xlong.cells.ray_edge import KEEP_TASK_WORKERS
 
     assert KEEP_TASK_WORKERS["num_workers_soft_limit"] > 2 * SIZES["paper8"]["cells"]
 

@@ -98,7 +98,7 @@ def test_a_learners_step_reports_add_up_and_are_taken_once():
 
 
 def test_a_cells_ranks_merge_into_the_cells_report():
-    from ray_xlong.cells.sharded_cell import merge_rank_stats
+    from ray_xlong.cells.rank_joins import merge_rank_stats
 
     rank0 = LearnerStepStats(7, LossStats(tokens=4, loss_sum=1.0, ratio_min=0.9, ratio_max=1.1,
                                           log_ratio_max=0.1), 2.0, 0.5, 3.0, 8.0)
