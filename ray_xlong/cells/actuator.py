@@ -459,6 +459,11 @@ class RayActuator:
         self._forget_trained(s.trained.get(s.m.step, []))
         s.m.end_step(s.now())
         for cell in dict.fromkeys(failed):  # after end_step: the step is over for everyone
+            c = s.cells[cell]
+            if s.ray.alive(c.runner) and s.ray.alive(c.learner):
+                # its new weights were lost with another node (the copy's maker), not the
+                # cell: its engine holds old weights, so it is rebuilt like a lost one
+                s.ray.kill(c.runner)
             self.recovery.recover(cell, "lost at the end of a step")  # rebuilt on new weights
         every = s.cfg.checkpoint_every
         if s.cfg.checkpoint_dir and (s.m.version % every == 0 or s.m.done):
