@@ -3,9 +3,10 @@ Learner process, for models growing ≥ 20× (seeded; markdown + JSON).
 
 The elastic learner group is driven as the actuator drives it — plan_step from run digests,
 cells joining a step at different micro-batches, cells that sat out steps joining later —
-for 4 cells, single and 2-rank sharded (FSDP2, gloo) Learners. Rollouts are Ray tasks that
-keep the runs' episodes where they ran (the driver gets digests only, as from a runner), and
-each step's weights are fetched by a task as an engine would (the object-store weight sync).
+for 4 cells (3 in the ``--quick`` CI run), single and 2-rank sharded (FSDP2, gloo) Learners.
+Rollouts are Ray tasks that keep the runs' episodes where they ran (the driver gets digests
+only, as from a runner), and each step's weights are fetched by a task as an engine would (the
+object-store weight sync).
 
     driver bytes      every value the driver ``ray.get``s, ``ray.put``s or passes by value to
                       an actor call (``benchmarks/driver_bytes.py``'s ``Meter``)
@@ -47,6 +48,8 @@ from benchmarks.driver_bytes import Meter  # noqa: E402
 from benchmarks.tools.entry import bench_parser, finish  # noqa: E402
 
 CELLS = 4
+QUICK_CELLS = 3
+"""``--quick``: 3 cells still have one that sits step 0 out and joins step 1 from a holder."""
 RANKS = (1, 2)
 """Learner ranks per cell: a single Learner, a 2-rank sharded one."""
 SIZES = {   # name: TinyModelConfig fields (head_dim 64)
@@ -128,8 +131,8 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def start_cells(model_dir: str, ranks: int) -> tuple[list, list]:
-    """``CELLS`` Learners (actors or sharded cells); the list of their processes' handles."""
+def start_cells(model_dir: str, ranks: int, n: int = CELLS) -> tuple[list, list]:
+    """``n`` Learners (actors or sharded cells); the list of their processes' handles."""
     from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.cells.sharded_cell import start_sharded_cell
     from ray_xlong.cells.sharding import ShardingSettings
@@ -140,13 +143,13 @@ def start_cells(model_dir: str, ranks: int) -> tuple[list, list]:
     if ranks == 1:
         cells = [ray.remote(XLongLearner).options(num_cpus=0).remote(config=config,
                                                                       module_spec=spec)
-                 for _ in range(CELLS)]
+                 for _ in range(n)]
         processes = list(cells)
     else:
         cells = [start_sharded_cell(pg=None, settings=settings,
                                     sharding=ShardingSettings(ranks_per_cell=ranks),
                                     nodes_per_cell=1, gpus_per_node=0,
-                                    batch_of=ConnectorBatches(config)) for _ in range(CELLS)]
+                                    batch_of=ConnectorBatches(config)) for _ in range(n)]
         processes = [r for c in cells for r in c.ranks]
     ray.get([c.build.remote() for c in cells])
     return cells, processes
@@ -160,9 +163,10 @@ def _kill(cells: list) -> None:
             ray.kill(c, no_restart=True)
 
 
-def train_elastic(group: Any, steps: int, seed: int, *, after_step: Any = None) -> list[int]:
+def train_elastic(group: Any, steps: int, seed: int, *, after_step: Any = None,
+                  cells: int = CELLS) -> list[int]:
     """``steps`` steps of an elastic schedule: step ``s`` is trained by 2 or 3 cells from cell
-    ``s mod 4`` on (so cells sit steps out and join later, loading the state from a holder),
+    ``s mod cells`` on (so cells sit steps out and join later, loading the state from a holder),
     joining one micro-batch apart in a seeded order. Returns the runs of each step;
     ``after_step()`` runs after each."""
     from ray_xlong.cells.learner_group import plan_step
@@ -173,7 +177,7 @@ def train_elastic(group: Any, steps: int, seed: int, *, after_step: Any = None) 
         digests_ref, payload = _rollout.remote(step, seed)
         digests = ray.get(digests_ref)
         micro, _ = plan_step(digests, processor=_processor(), max_tokens=MICRO_TOKENS)
-        members = [(step + i) % CELLS for i in range(2 + step % 2)]
+        members = [(step + i) % cells for i in range(2 + step % 2)]
         rng.shuffle(members)
         group.begin(step)
         refs = []
@@ -191,11 +195,12 @@ def train_elastic(group: Any, steps: int, seed: int, *, after_step: Any = None) 
     return runs
 
 
-def measure(model_dir: str, params: int, ranks: int, steps: int, seed: int) -> dict:
+def measure(model_dir: str, params: int, ranks: int, steps: int, seed: int,
+            n_cells: int = CELLS) -> dict:
     """One size × layout: per-step driver and Learner bytes, the driver's peak RSS."""
     from ray_xlong.cells.learner_group import ElasticLearnerGroup
 
-    cells, processes = start_cells(model_dir, ranks)
+    cells, processes = start_cells(model_dir, ranks, n_cells)
     try:
         snapshots = [ray.get([p.traffic.remote() for p in processes])]
         meter = Meter()
@@ -207,7 +212,7 @@ def measure(model_dir: str, params: int, ranks: int, steps: int, seed: int) -> d
         with PeakRss() as rss, meter.watching():
             group = ElasticLearnerGroup(cells)
             t0 = time.perf_counter()
-            runs = train_elastic(group, steps, seed, after_step=snapshot)
+            runs = train_elastic(group, steps, seed, after_step=snapshot, cells=n_cells)
             seconds = time.perf_counter() - t0
     finally:
         _kill(cells)
@@ -218,7 +223,7 @@ def measure(model_dir: str, params: int, ranks: int, steps: int, seed: int) -> d
     total = [{k: (a.get(k, 0) - b.get(k, 0)) / steps for k in a}
              for a, b in zip(snapshots[-1], snapshots[0])]
     shard = params * 4 // ranks
-    return {"size": "", "params": params, "ranks_per_cell": ranks, "cells": CELLS,
+    return {"size": "", "params": params, "ranks_per_cell": ranks, "cells": n_cells,
             "steps": steps, "runs_per_step": statistics.mean(runs),
             "driver_bytes_per_step": (meter.bytes_in + meter.bytes_out) / steps,
             "driver_bytes_by_kind": {k: v / steps for k, v in meter.by_kind.items()},
@@ -286,7 +291,8 @@ def acceptance(rows: list[dict]) -> dict:
     return out
 
 
-def run(seed: int, steps: int, sizes: tuple[str, ...], layouts: tuple[int, ...]) -> dict:
+def run(seed: int, steps: int, sizes: tuple[str, ...], layouts: tuple[int, ...],
+        cells: int = CELLS) -> dict:
     tmp = tempfile.mkdtemp(prefix="xlong_state_", dir="/tmp")
     os.environ.setdefault("RAY_TMPDIR", tmp)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -297,12 +303,12 @@ def run(seed: int, steps: int, sizes: tuple[str, ...], layouts: tuple[int, ...])
                           for name in sizes])
         for name, (model_dir, params) in zip(sizes, models):
             for ranks in layouts:
-                row = measure(model_dir, params, ranks, steps, seed)
+                row = measure(model_dir, params, ranks, steps, seed, cells)
                 row["size"] = name
                 rows.append(row)
     finally:
         ray.shutdown()
-    return {"seed": seed, "steps": steps, "cells": CELLS, "rows": rows,
+    return {"seed": seed, "steps": steps, "cells": cells, "rows": rows,
             "acceptance": acceptance(rows), "projection": projection(rows),
             "mission": MISSION, "state_bytes_per_param": STATE_BYTES_PER_PARAM}
 
@@ -355,12 +361,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = bench_parser(__doc__)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--quick", action="store_true",
-                        help=f"CI budget: sizes {QUICK_SIZES}, single Learners, 2 steps")
+                        help=f"CI budget: sizes {QUICK_SIZES}, {QUICK_CELLS} single-Learner "
+                             f"cells, 2 steps")
     args = parser.parse_args(argv)
     quick = args.quick or args.smoke
     sizes = QUICK_SIZES if quick else tuple(SIZES)
     layouts = (1,) if quick else RANKS
-    result = run(args.seed, 2 if quick else args.steps, sizes, layouts)
+    result = run(args.seed, 2 if quick else args.steps, sizes, layouts,
+                 QUICK_CELLS if quick else CELLS)
     return finish(result, show=print_table, json_path=args.json)
 
 

@@ -1,5 +1,5 @@
-"""Tiny-budget smoke run of benchmarks/state_bytes.py (``--quick``): two model sizes, 4
-single-Learner cells, 2 elastic steps; the table and JSON come out, the driver's bytes do not
+"""Tiny-budget smoke run of benchmarks/state_bytes.py (``--quick``): two model sizes, 3
+single-Learner cells (one sits step 0 out and joins step 1), 2 elastic steps; the table and JSON come out, the driver's bytes do not
 follow the model and no step fell back to the object store."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def test_state_bytes_smoke(tmp_path, capsys, monkeypatch):
     mod.main(["--quick", "--seed", "1", "--json", str(out)])
     data = json.loads(out.read_text())
     small, large = data["rows"]
+    assert data["cells"] == 3 and all(r["cells"] == 3 for r in data["rows"])
     assert large["params"] > 5 * small["params"]
     for row in data["rows"]:
         assert row["fallbacks"] == 0 and row["driver_bytes_per_step"] < 1e6
