@@ -131,8 +131,8 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def start_cells(model_dir: str, ranks: int, n: int = CELLS) -> tuple[list, list]:
-    """``n`` Learners (actors or sharded cells); the list of their processes' handles."""
+def start_cells(model_dir: str, ranks: int, n_cells: int) -> tuple[list, list]:
+    """``n_cells`` Learners (actors or sharded cells); the list of their processes' handles."""
     from ray_xlong.cells.config import LearnerSettings
     from ray_xlong.cells.sharded_cell import start_sharded_cell
     from ray_xlong.cells.sharding import ShardingSettings
@@ -143,13 +143,13 @@ def start_cells(model_dir: str, ranks: int, n: int = CELLS) -> tuple[list, list]
     if ranks == 1:
         cells = [ray.remote(XLongLearner).options(num_cpus=0).remote(config=config,
                                                                       module_spec=spec)
-                 for _ in range(n)]
+                 for _ in range(n_cells)]
         processes = list(cells)
     else:
         cells = [start_sharded_cell(pg=None, settings=settings,
                                     sharding=ShardingSettings(ranks_per_cell=ranks),
                                     nodes_per_cell=1, gpus_per_node=0,
-                                    batch_of=ConnectorBatches(config)) for _ in range(n)]
+                                    batch_of=ConnectorBatches(config)) for _ in range(n_cells)]
         processes = [r for c in cells for r in c.ranks]
     ray.get([c.build.remote() for c in cells])
     return cells, processes
@@ -163,15 +163,16 @@ def _kill(cells: list) -> None:
             ray.kill(c, no_restart=True)
 
 
-def train_elastic(group: Any, steps: int, seed: int, *, after_step: Any = None,
-                  cells: int = CELLS) -> list[int]:
-    """``steps`` steps of an elastic schedule: step ``s`` is trained by 2 or 3 cells from cell
-    ``s mod cells`` on (so cells sit steps out and join later, loading the state from a holder),
-    joining one micro-batch apart in a seeded order. Returns the runs of each step;
-    ``after_step()`` runs after each."""
+def train_elastic(group: Any, steps: int, seed: int, *,
+                  after_step: Any = None) -> list[int]:
+    """``steps`` steps of an elastic schedule: step ``s`` is trained by 2 or 3 of the group's
+    cells from cell ``s mod cells`` on (so cells sit steps out and join later, loading the state
+    from a holder), joining one micro-batch apart in a seeded order. Returns the runs of each
+    step; ``after_step()`` runs after each."""
     from ray_xlong.cells.learner_group import plan_step
 
     rng = random.Random(seed)
+    cells = len(group.learners)
     runs = []
     for step in range(steps):
         digests_ref, payload = _rollout.remote(step, seed)
@@ -196,7 +197,7 @@ def train_elastic(group: Any, steps: int, seed: int, *, after_step: Any = None,
 
 
 def measure(model_dir: str, params: int, ranks: int, steps: int, seed: int,
-            n_cells: int = CELLS) -> dict:
+            n_cells: int) -> dict:
     """One size × layout: per-step driver and Learner bytes, the driver's peak RSS."""
     from ray_xlong.cells.learner_group import ElasticLearnerGroup
 
@@ -212,7 +213,7 @@ def measure(model_dir: str, params: int, ranks: int, steps: int, seed: int,
         with PeakRss() as rss, meter.watching():
             group = ElasticLearnerGroup(cells)
             t0 = time.perf_counter()
-            runs = train_elastic(group, steps, seed, after_step=snapshot, cells=n_cells)
+            runs = train_elastic(group, steps, seed, after_step=snapshot)
             seconds = time.perf_counter() - t0
     finally:
         _kill(cells)
@@ -292,7 +293,7 @@ def acceptance(rows: list[dict]) -> dict:
 
 
 def run(seed: int, steps: int, sizes: tuple[str, ...], layouts: tuple[int, ...],
-        cells: int = CELLS) -> dict:
+        n_cells: int = CELLS) -> dict:
     tmp = tempfile.mkdtemp(prefix="xlong_state_", dir="/tmp")
     os.environ.setdefault("RAY_TMPDIR", tmp)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -303,12 +304,12 @@ def run(seed: int, steps: int, sizes: tuple[str, ...], layouts: tuple[int, ...],
                           for name in sizes])
         for name, (model_dir, params) in zip(sizes, models):
             for ranks in layouts:
-                row = measure(model_dir, params, ranks, steps, seed, cells)
+                row = measure(model_dir, params, ranks, steps, seed, n_cells)
                 row["size"] = name
                 rows.append(row)
     finally:
         ray.shutdown()
-    return {"seed": seed, "steps": steps, "cells": cells, "rows": rows,
+    return {"seed": seed, "steps": steps, "cells": n_cells, "rows": rows,
             "acceptance": acceptance(rows), "projection": projection(rows),
             "mission": MISSION, "state_bytes_per_param": STATE_BYTES_PER_PARAM}
 

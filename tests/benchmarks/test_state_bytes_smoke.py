@@ -1,6 +1,7 @@
 """Tiny-budget smoke run of benchmarks/state_bytes.py (``--quick``): two model sizes, 3
-single-Learner cells (one sits step 0 out and joins step 1), 2 elastic steps; the table and JSON come out, the driver's bytes do not
-follow the model and no step fell back to the object store."""
+single-Learner cells (one sits step 0 out and joins step 1), 2 elastic steps; the table and
+JSON come out, the driver's bytes do not follow the model and no step fell back to the object
+store."""
 
 from __future__ import annotations
 

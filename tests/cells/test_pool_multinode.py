@@ -1,7 +1,8 @@
 """The three modes on a simulated 3-node cluster (``ray.cluster_utils.Cluster``), 3 cells of 2
-nodes each (STRICT_SPREAD: every cell on a different pair of nodes), checked from the event log: no cell left rollout with a live run,
-runs stayed on their cell, staleness <= bound, every ended run trained exactly once; role
-switches reuse the placement groups and take well under a second."""
+nodes each (STRICT_SPREAD: every cell on a different pair of nodes), checked from the event
+log: no cell left rollout with a live run, runs stayed on their cell, staleness <= bound, every
+ended run trained exactly once; role switches reuse the placement groups and take well under a
+second."""
 
 from __future__ import annotations
 
