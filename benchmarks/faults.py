@@ -2,12 +2,15 @@
 multi-node ``ray.cluster_utils`` cluster and count what was lost.
 
     python benchmarks/faults.py [--kinds runner,learner,node,driver] [--per-kind 2] [--seed 0]
-                                [--steps 4] [--cells 3] [--ranks-per-cell 1] [--json PATH]
+                                [--steps 4] [--cells 3] [--ranks-per-cell 1] [--together]
+                                [--json PATH]
 
 One job per fault kind, on a fresh pool of cells (one worker node per cell, a head node without
-GPUs for the driver). ``runner`` / ``learner`` kill actors (``ray.kill``) when a seeded fraction
-of the job's runs has ended; ``node`` removes a cell's node (``Cluster.remove_node``) and adds a
-node like it back after a few seconds; ``driver`` runs the job in a driver process
+GPUs for the driver); ``--together``: the runner, learner and node faults go into one job (their
+rows still count each kind's injections, detections and recovery times; CI's smoke run, one
+pool start instead of three). ``runner`` / ``learner`` kill actors (``ray.kill``) when a seeded
+fraction of the job's runs has ended; ``node`` removes a cell's node (``Cluster.remove_node``)
+and adds a node like it back after a few seconds; ``driver`` runs the job in a driver process
 (``python -m benchmarks.tools.faults``), kills it (SIGKILL) after its first checkpoint plus a
 seeded delay, and resumes it in a new driver process. Each job is audited from its event log
 and trained-run ids (``benchmarks.tools.faults.audit``): runs lost (goal 0), runs trained twice
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import pickle
@@ -110,8 +114,10 @@ class LocalCluster:
         self.cluster.shutdown()
 
 
-def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, seed: int) -> dict:
-    """One job with ``per_kind`` faults of ``kind`` injected by this (the driver) process."""
+def run_in_driver(kinds: tuple[str, ...], config, cluster: LocalCluster, *, per_kind: int,
+                  seed: int) -> list[dict]:
+    """One job with ``per_kind`` faults of each of ``kinds`` injected by this (the driver)
+    process; one row per kind."""
     from ray_xlong.cells.actuator import RayActuator
     from ray_xlong.cells.config import make_policy
     from ray_xlong.jobs.driver import start_cells
@@ -121,10 +127,10 @@ def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, se
     # cell leaves the new state on that cell's node only, and a node fault there leaves the
     # last checkpoint + the spool as the only way back to it.
     config = dataclasses.replace(config, checkpoint_every=1, checkpoint_dir=os.path.join(
-        os.path.dirname(config.spool_dir), f"ckpt-{kind}"))
+        os.path.dirname(config.spool_dir), f"ckpt-{'-'.join(kinds)}"))
     pool = start_cells(config)
     act = RayActuator(config, make_policy(config), pool)
-    plan = FaultPlan(seed=seed, **{kind: per_kind})
+    plan = FaultPlan(seed=seed, **{kind: per_kind for kind in kinds})
     act.injector = FaultInjector(plan, config.job, remove_node=cluster.remove_node,
                                  restore_node=cluster.restore_node)
     t = time.perf_counter()
@@ -135,24 +141,30 @@ def run_in_driver(kind: str, config, cluster: LocalCluster, *, per_kind: int, se
     job_s = time.perf_counter() - t
     pool.shutdown()
     a = audit(result, config.job)
-    # Recovery time: from each kill to the end of the recovery that followed it (for a node:
-    # to the cell's retirement, when the job goes on without it; rebuild_s: to its rebuild).
-    kills = [f.t for f in act.injector.log]
+    rows = []
+    for kind in kinds:
+        # Recovery time: from each kill of this kind to the end of the recovery that followed
+        # it (for a node: to the cell's retirement, when the job goes on without it;
+        # rebuild_s: to its rebuild).
+        kills = [f.t for f in act.injector.log if f.kind == kind]
+        gaps = _gaps(kills, result.faults, KIND_RECORDS[kind])
+        out = row(kind, act.injector.injected[kind], a, gaps, job_s, result.faults,
+                  detected=sum(1 for f in result.faults if f.kind in KIND_RECORDS[kind]))
+        out["ranks_killed"] = [f.rank for f in act.injector.log
+                               if f.kind == kind and f.rank is not None]
+        if kind == "node":
+            finite = [g for g in _gaps(kills, result.faults, ("node_returned",))
+                      if not math.isnan(g)]
+            out["rebuild_s"] = round(sum(finite) / len(finite), 3) if finite else None
+            out["rebuilt"] = len(finite)
+        rows.append(out)
+    return rows
 
-    def gaps_to(kinds: tuple[str, ...]) -> list[float]:
-        done = sorted(f.t + f.recover_s for f in result.faults if f.kind in kinds)
-        return [next((d - k for d in done if d >= k), float("nan")) for k in kills]
 
-    gaps = gaps_to(KIND_RECORDS[kind])
-    rebuild = gaps_to(("node_returned",)) if kind == "node" else []
-    out = row(kind, act.injector.injected[kind], a, gaps, job_s, result.faults,
-              detected=sum(1 for f in result.faults if f.kind in KIND_RECORDS[kind]))
-    out["ranks_killed"] = [f.rank for f in act.injector.log if f.rank is not None]
-    if kind == "node":
-        finite = [g for g in rebuild if g == g]
-        out["rebuild_s"] = round(sum(finite) / len(finite), 3) if finite else None
-        out["rebuilt"] = len(finite)
-    return out
+def _gaps(kills: list[float], records, kinds: tuple[str, ...]) -> list[float]:
+    """Seconds from each kill to the end of the first recovery of ``kinds`` after it."""
+    done = sorted(f.t + f.recover_s for f in records if f.kind in kinds)
+    return [next((d - k for d in done if d >= k), float("nan")) for k in kills]
 
 
 def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -> dict:
@@ -199,8 +211,6 @@ KIND_RECORDS = {"runner": ("runner", "both"), "learner": ("learner", "both"),
 
 def row(kind: str, injected: int, a, gaps: list[float], job_s: float, records, *,
         detected: int | None = None) -> dict:
-    import math
-
     finite = [g for g in gaps if not math.isnan(g)]
     detected = injected if detected is None else detected
     return {"kind": kind, "injected": injected,
@@ -225,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cells", type=int, default=3, help="cells (one worker node each)")
     p.add_argument("--ranks-per-cell", type=int, default=1,
                    help="Learner ranks per cell (FSDP2, gloo; a learner fault kills one rank)")
+    p.add_argument("--together", action="store_true",
+                   help="inject the runner, learner and node faults into one job (rows per kind "
+                        "as before; the driver restart stays a job of its own)")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     bad = set(kinds) - set(KINDS)
@@ -236,16 +249,26 @@ def main(argv: list[str] | None = None) -> int:
     config = make_config(root, cells=args.cells, steps=args.steps, seed=args.seed,
                          ranks_per_cell=args.ranks_per_cell)
     cluster = LocalCluster(args.cells)
+    # the jobs: the driver restart alone (its own driver process); the in-driver kinds one job
+    # each, or all in one job (--together)
+    in_driver = [k for k in kinds if k != "driver"]
+    if args.together:
+        jobs = (([tuple(in_driver)] if in_driver else [])
+                + ([("driver",)] if "driver" in kinds else []))
+    else:
+        jobs = [(k,) for k in kinds]
     rows = []
     try:
-        for i, kind in enumerate(kinds):
-            if kind == "driver":
-                rows.append(run_driver_restart(config, cluster, os.path.join(root, "drv"),
-                                               seed=args.seed + i))
+        for i, job in enumerate(jobs):
+            if job == ("driver",):
+                got = [run_driver_restart(config, cluster, os.path.join(root, "drv"),
+                                          seed=args.seed + i)]
             else:
-                rows.append(run_in_driver(kind, config, cluster, per_kind=args.per_kind,
-                                          seed=args.seed + i))
-            print(f"{kind}: {json.dumps(rows[-1])}", flush=True)
+                got = run_in_driver(job, config, cluster, per_kind=args.per_kind,
+                                    seed=args.seed + i)
+            for r in got:
+                print(f"{r['kind']}: {json.dumps(r)}", flush=True)
+            rows += got
     finally:
         cluster.shutdown()
     print(f"\n{'fault':<8} {'injected':>8} {'survived':>8} {'lost':>5} {'twice':>5} "

@@ -41,6 +41,17 @@ def tree_batch():
                                                row_tokens=None)).process(runs).packed
 
 
+def run_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes forked from a fork server that imported this
+    module (torch, transformers, the package) once per test process: a spawned rank imports
+    them itself, ~8 s of CPU each. The server only imports (it never ran an OpenMP region), so
+    forking it is safe, unlike forking this process."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload([__name__])
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,8 +98,7 @@ def test_context_parallel_step_equals_one_device(tmp_path, world):
     model.save_pretrained(tmp_path / "model")
     batch = tree_batch()
     assert batch.input_ids.shape[0] == 2
-    mp.spawn(_rank, args=(world, str(tmp_path / "model"), free_port(), str(tmp_path)),
-             nprocs=world)
+    run_ranks(_rank, (world, str(tmp_path / "model"), free_port(), str(tmp_path)), world)
 
     model.train()
     want_lp = token_logprobs(model, batch, chunk_tokens=0)
@@ -147,8 +157,7 @@ def test_the_ring_inside_two_groups_of_two_equals_one_device(tmp_path):
     register()
     model = tiny_causal_lm(TinyModelConfig(vocab_size=64), attn_implementation="xlong_tree")
     model.save_pretrained(tmp_path / "model")
-    mp.spawn(_ring_group_rank, args=(str(tmp_path / "model"), free_port(), str(tmp_path)),
-             nprocs=4)
+    run_ranks(_ring_group_rank, (str(tmp_path / "model"), free_port(), str(tmp_path)), 4)
     batch = tree_batch()
     policy_loss(token_logprobs(model, batch, chunk_tokens=0), batch, LossConfig())[0].backward()
     grads = torch.load(tmp_path / "rank3.pt")["grads"]

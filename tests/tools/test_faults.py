@@ -26,13 +26,15 @@ pytestmark = [pytest.mark.faults, pytest.mark.multinode, pytest.mark.ray, pytest
 @pytest.mark.timeout(1500)
 def test_every_fault_kind_loses_nothing(tmp_path):
     out = tmp_path / "faults.json"
-    # 2 cells (the fewest where a lost cell's work moves to another), 3 steps: CI time
+    # 2 cells (the fewest where a lost cell's work moves to another), 3 steps, the runner,
+    # learner and node faults in one job (--together): CI time
     proc = subprocess.run([sys.executable, str(SCRIPT), "--per-kind", "1", "--steps", "3",
-                           "--cells", "2", "--seed", "7", "--json", str(out)],
+                           "--cells", "2", "--seed", "7", "--together", "--json", str(out)],
                           capture_output=True, text=True, timeout=1400)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["kind"]: r for r in json.loads(out.read_text())["faults"]}
     assert set(rows) == {"runner", "learner", "node", "driver"}
+    assert rows["runner"]["job_s"] == rows["learner"]["job_s"] == rows["node"]["job_s"]  # 1 job
     for kind, r in rows.items():
         assert r["injected"] == 1 and r["detected"] == 1, r       # the fault really happened
         assert r["runs_lost"] == 0 and r["runs_trained_twice"] == 0, r
