@@ -2,7 +2,11 @@
 10-20 s for 90 seconds while the elastic job learns, on a 3-node ``cluster_utils`` cluster):
 nothing lost, nothing trained twice, faults of several kinds injected and recovered from, the
 JSON fields. The reward trend is reported, not asserted: 60 steps are too few for it to
-rise above the noise (the 20-minute run in docs/benchmarks.md is where it is read)."""
+rise above the noise (the 20-minute run in docs/benchmarks.md is where it is read).
+
+Seed 9 draws node 15 s, learner 27 s, runner 46 s, driver 59 s, runner 78 s after the first
+checkpoint: every kind, the node early, one driver restart (seed 1 drew three driver restarts
+and no node; each restart starts every cell again)."""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
 @pytest.mark.slow
 def test_chaos_smoke(tmp_path, warm_cache):
     out = tmp_path / "chaos.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--seed", "1", "--json",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--seed", "9", "--json",
                            str(out), "--workdir", str(warm_cache)],
                           capture_output=True, text=True, timeout=1500,
                           env=dict(os.environ,
@@ -37,5 +41,6 @@ def test_chaos_smoke(tmp_path, warm_cache):
     assert r["runs_lost"] == 0 and r["runs_trained_twice"] == 0
     assert r["faults_total"] >= 2, r["faults_injected"]
     assert set(r["faults_injected"]) == {"runner", "learner", "node", "driver"}
+    assert r["faults_injected"]["node"] >= 1                # the schedule's first fault
     assert len(r["rewards"]) == r["steps"] == r["total_steps"]
     assert {"reward_first", "reward_last", "reward_slope", "reward_rising"} <= set(r)
