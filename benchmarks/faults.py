@@ -153,10 +153,9 @@ def run_in_driver(kinds: tuple[str, ...], config, cluster: LocalCluster, *, per_
         out["ranks_killed"] = [f.rank for f in act.injector.log
                                if f.kind == kind and f.rank is not None]
         if kind == "node":
-            finite = [g for g in _gaps(kills, result.faults, ("node_returned",))
-                      if not math.isnan(g)]
-            out["rebuild_s"] = round(sum(finite) / len(finite), 3) if finite else None
-            out["rebuilt"] = len(finite)
+            rebuild = _gaps(kills, result.faults, ("node_returned",))
+            out["rebuild_s"] = _mean_s(rebuild)
+            out["rebuilt"] = sum(not math.isnan(g) for g in rebuild)
         rows.append(out)
     return rows
 
@@ -165,6 +164,12 @@ def _gaps(kills: list[float], records, kinds: tuple[str, ...]) -> list[float]:
     """Seconds from each kill to the end of the first recovery of ``kinds`` after it."""
     done = sorted(f.t + f.recover_s for f in records if f.kind in kinds)
     return [next((d - k for d in done if d >= k), float("nan")) for k in kills]
+
+
+def _mean_s(gaps: list[float]) -> float | None:
+    """Mean of the gaps that ended (not NaN), rounded to ms; None when none did."""
+    finite = [g for g in gaps if not math.isnan(g)]
+    return round(sum(finite) / len(finite), 3) if finite else None
 
 
 def run_driver_restart(config, cluster: LocalCluster, root: str, *, seed: int) -> dict:
@@ -211,13 +216,12 @@ KIND_RECORDS = {"runner": ("runner", "both"), "learner": ("learner", "both"),
 
 def row(kind: str, injected: int, a, gaps: list[float], job_s: float, records, *,
         detected: int | None = None) -> dict:
-    finite = [g for g in gaps if not math.isnan(g)]
     detected = injected if detected is None else detected
     return {"kind": kind, "injected": injected,
             "survived": min(injected, detected) if a.ok else 0, "detected": detected,
             "runs_lost": a.runs_lost, "runs_trained_twice": a.runs_trained_twice,
             "runs_rerun": a.runs_rerun,
-            "recover_s": round(sum(finite) / len(finite), 3) if finite else None,
+            "recover_s": _mean_s(gaps),
             "audit_ok": a.ok, "steps": a.steps, "versions_consistent": a.versions_consistent,
             "violations": list(a.violations)[:5], "job_s": round(job_s, 2),
             "micro_batches_redone": sum(r.micro_batches_redone for r in records),
