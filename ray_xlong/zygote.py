@@ -1,0 +1,362 @@
+"""Ray workers forked from an interpreter that has already imported torch, transformers, RLlib,
+vLLM's tool parsers and the cell actors (a *zygote*), instead of each importing them again.
+
+A cell's Learner or runner spends 10-30 s of CPU importing its libraries before it does any work;
+a cell rebuilt after a fault pays it again, and a test suite that starts hundreds of actors pays
+it hundreds of times. With the hook on, a worker process forks from the zygote in ~0.1 s::
+
+    RAY_RUNTIME_ENV_HOOK=ray_xlong.zygote.hook python my_job.py     # before ray.init
+
+How: the hook sets the job's ``runtime_env["py_executable"]`` to this file. Ray then starts each
+worker as ``python zygote.py default_worker.py --args...``; that client asks the zygote for the
+environment's fork over a Unix socket, hands it its stdin/stdout/stderr and environment, and
+lives as long as the forked worker (its exit status, signals forwarded; the worker dies with the
+client, so Ray's kill of the process it started still kills the worker). The worker registers
+with the raylet under its own pid, as in a container.
+
+* One zygote per environment: a hash of the interpreter, the preload list, the environment
+  (per-worker variables left out) and the package's source mtimes. It starts with the first
+  worker that finds none, and leaves after ``IDLE_S`` with nothing to serve.
+* Until it has imported everything (tens of seconds), workers start the ordinary way; a worker
+  never waits for it. ``RX_ZYGOTE=0`` turns the client into the ordinary start.
+* A fork is fork-safe here: the zygote only imports (no CUDA, no threads of its own), and the
+  child re-seeds NumPy and sets torch's threads from its own ``OMP_NUM_THREADS``.
+
+The client imports nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+
+PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "vllm.tool_parsers", "pandas",
+           "pyarrow", "gymnasium", "scipy")
+"""What the zygote imports before it forks (``RX_ZYGOTE_PRELOAD``: a comma-separated list):
+~22 s of CPU once, leaving a cell actor ~3 s (Ray, RLlib and this package). Never Ray itself:
+its core reads the raylet's pid and the job id once per process, so a zygote that imported it
+could serve one Ray session only (the zygote refuses to serve if a module imported it)."""
+IDLE_S = 120.0
+"""A zygote with no live child and no request for this long exits."""
+NOT_KEYED = ("RAY_RAYLET_PID", "RAY_JOB_ID", "RAY_LD_PRELOAD_ON_WORKERS", "SPT_NOENV",
+             "PYTHONBREAKPOINT", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "RAY_TMPDIR",
+             "TORCHINDUCTOR_CACHE_DIR", "PWD", "OLDPWD", "_", "SHLVL", "TMPDIR")
+"""Variables not part of the zygote's key: they differ between workers of one environment, or
+are read only after the preloaded imports (a driver's own imports set some before it starts
+Ray). Any other difference, e.g. a job's ``env_vars``, is another environment."""
+_HDR = struct.Struct("!I")
+
+
+def hook(runtime_env):
+    """``RAY_RUNTIME_ENV_HOOK``: the job's workers start through this file (see the module)."""
+    env = dict(runtime_env or {})
+    env.setdefault("py_executable", f"{sys.executable} {os.path.abspath(__file__)}")
+    return env
+
+
+def _preload() -> tuple[str, ...]:
+    names = os.environ.get("RX_ZYGOTE_PRELOAD")
+    return tuple(n for n in names.split(",") if n) if names is not None else PRELOAD
+
+
+def socket_path(preload: tuple[str, ...] | None = None) -> str:
+    """Where this environment's zygote listens (the process's environment, as a worker's)."""
+    return f"/tmp/rxz-{_key(_preload() if preload is None else preload)}.sock"
+
+
+def _key(preload: tuple[str, ...]) -> str:
+    h = hashlib.sha1()
+    h.update(sys.executable.encode())
+    h.update(",".join(preload).encode())
+    for k in sorted(os.environ):
+        if k not in NOT_KEYED and not k.startswith("PYTEST_"):
+            h.update(f"{k}={os.environ[k]}\0".encode())
+    here = os.path.dirname(os.path.abspath(__file__))
+    for root, dirs, files in os.walk(here):          # edited source: a new zygote
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
+        h.update(str(max((os.stat(os.path.join(root, f)).st_mtime_ns for f in files
+                          if f.endswith(".py")), default=0)).encode())
+    return h.hexdigest()[:16]
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+
+# -- the client: what Ray starts as the worker ---------------------------------------------------
+def client(argv: list[str]) -> None:
+    """Run ``argv`` (``default_worker.py --args``) as a fork of the zygote, or exec it plainly."""
+    plain = [sys.executable, *argv]
+    if os.environ.get("RX_ZYGOTE", "1") == "0":
+        os.execv(sys.executable, plain)
+    preload = _preload()
+    path = socket_path(preload)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        if isinstance(exc, ConnectionRefusedError):      # a zygote that was killed
+            for stale in (path, path + ".lock"):
+                try:
+                    os.unlink(stale)
+                except OSError:
+                    pass
+        _start_zygote(path, preload)
+        os.execv(sys.executable, plain)               # this one starts the ordinary way
+    alive_r, _alive_w = os.pipe()           # open until we exit: the worker dies with us
+    body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    try:
+        socket.send_fds(sock, [_HDR.pack(len(body))], [0, 1, 2, alive_r])
+        sock.sendall(body)
+        os.close(alive_r)
+        (pid,) = _HDR.unpack(_recv_exact(sock, 4))
+    except (OSError, EOFError):
+        os.execv(sys.executable, plain)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                signal.SIGUSR2):
+        signal.signal(sig, lambda s, _f: os.kill(pid, s))
+    try:
+        (status,) = _HDR.unpack(_recv_exact(sock, 4))
+    except (OSError, EOFError):                       # the zygote died: so does the worker
+        os.kill(pid, signal.SIGKILL)
+        os._exit(1)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def _start_zygote(path: str, preload: tuple[str, ...]) -> None:
+    """Start the zygote for ``path`` unless another client did (an exclusive lock file)."""
+    lock = path + ".lock"
+    try:
+        if time.time() - os.stat(lock).st_mtime > 600:    # a zygote that died while loading
+            os.unlink(lock)
+    except OSError:
+        pass
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return
+    # twice forked: an orphan of no worker (Ray kills a worker's children when it exits)
+    pid = os.fork()
+    if pid:
+        os.waitpid(pid, 0)
+        return
+    try:
+        os.setsid()
+        if os.fork() == 0:
+            log = os.open(path + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.closerange(3, 1 << 16)
+            os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), "--serve",
+                                      path, ",".join(preload)])
+    finally:
+        os._exit(0)
+
+
+# -- the zygote -----------------------------------------------------------------------------------
+def serve(path: str, preload: tuple[str, ...]) -> None:
+    """Import ``preload``, then fork a worker per request until idle for ``IDLE_S``."""
+    import gc
+    import importlib
+    import selectors
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    before = dict(os.environ)
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - a module that fails is imported by the child
+            print(f"zygote: {name}: {exc!r}", file=sys.stderr, flush=True)
+    if "ray" in sys.modules:
+        print("zygote: ray was imported; not serving", file=sys.stderr, flush=True)
+        os.unlink(path + ".lock")
+        return
+    # what the imports set (vLLM's env overrides, ...): a child's own import would have too
+    set_by_imports = {k: (before.get(k), v) for k, v in os.environ.items() if before.get(k) != v}
+    gc.collect()
+    gc.freeze()                                       # fewer copied pages in the children
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = f"{path}.{os.getpid()}"
+    listener.bind(tmp)
+    listener.listen(64)
+    os.replace(tmp, path)                             # clients find it only once it is ready
+    print(f"zygote {os.getpid()}: serving {path}", file=sys.stderr, flush=True)
+    rd, wr = os.pipe()
+    os.set_blocking(wr, False)
+    signal.set_wakeup_fd(wr)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))     # leave no socket behind
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    sel.register(rd, selectors.EVENT_READ)
+    children: dict[int, socket.socket] = {}
+    last = time.monotonic()
+    try:
+        while children or time.monotonic() - last < IDLE_S:
+            for key, _ in sel.select(timeout=5.0):
+                if key.fileobj is listener:
+                    conn, _ = listener.accept()
+                    pid = _fork_worker(conn, listener, children, (rd, wr), set_by_imports)
+                    if pid:
+                        children[pid] = conn
+                    last = time.monotonic()
+                else:
+                    os.read(rd, 512)
+            while children:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if not pid:
+                    break
+                conn = children.pop(pid, None)
+                if conn is not None:
+                    try:
+                        conn.sendall(_HDR.pack(status))
+                    except OSError:
+                        pass
+                    conn.close()
+                last = time.monotonic()
+    finally:
+        for p in (path, path + ".lock"):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+
+
+def _fork_worker(conn: socket.socket, listener: socket.socket, children: dict,
+                 pipe: tuple[int, int], set_by_imports: dict) -> int:
+    """Read one request and fork its worker; the parent returns its pid (0: a bad request)."""
+    try:
+        conn.settimeout(30)
+        head, fds, _, _ = socket.recv_fds(conn, _HDR.size, 8)
+        (n,) = _HDR.unpack(head)
+        req = json.loads(_recv_exact(conn, n))
+        conn.settimeout(None)
+    except (OSError, EOFError, ValueError, struct.error):
+        conn.close()
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(_HDR.pack(pid))
+        return pid
+    # the worker
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        os.setpgid(0, 0)              # a kill of the worker's group spares the zygote
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        listener.close()
+        conn.close()
+        for other in children.values():
+            other.close()
+        for fd in pipe:
+            os.close(fd)
+        for i in range(3):
+            os.dup2(fds[i], i)
+        for fd in fds[:3]:
+            os.close(fd)
+        _die_with_client(fds[3])
+        _become(req, set_by_imports)
+        import runpy
+
+        try:
+            runpy.run_path(req["argv"][0], run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported on the worker's stderr
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _die_with_client(fd: int) -> None:
+    import threading
+
+    def watch():
+        while os.read(fd, 64):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="zygote-client", daemon=True).start()
+
+
+def _become(req: dict, set_by_imports: dict) -> None:
+    """Take on the worker's own arguments, environment, directory and random state."""
+    env = dict(req["env"])
+    for k, (old, new) in set_by_imports.items():     # as if it had imported them itself
+        if env.get(k) == old:
+            env[k] = new
+    os.environ.clear()
+    os.environ.update({k: v for k, v in env.items() if v is not None})
+    os.chdir(req["cwd"])
+    sys.argv = list(req["argv"])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    _torch_threads_from_env()
+    if "torch" not in sys.modules:
+        return
+    from ray._private import utils  # the worker's own import, a bit early
+
+    if hasattr(utils, "set_omp_num_threads_if_unset"):
+        # Ray sets OMP_NUM_THREADS from the task's CPUs when it starts one: torch, imported
+        # before that here, must hear of it (a fresh worker imports torch after)
+        ray_set = utils.set_omp_num_threads_if_unset
+
+        def set_omp_num_threads_if_unset() -> bool:
+            done = ray_set()
+            _torch_threads_from_env()
+            return done
+
+        utils.set_omp_num_threads_if_unset = set_omp_num_threads_if_unset
+
+
+def _torch_threads_from_env() -> None:
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "--serve":
+        serve(sys.argv[2], tuple(n for n in sys.argv[3].split(",") if n))
+    else:
+        client(sys.argv[1:])
