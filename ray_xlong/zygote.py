@@ -1,5 +1,5 @@
-"""Ray workers forked from an interpreter that has already imported torch, transformers, RLlib,
-vLLM's tool parsers and the cell actors (a *zygote*), instead of each importing them again.
+"""Ray workers forked from an interpreter that has already imported torch, transformers, vLLM's
+tool parsers and the data libraries (a *zygote*), instead of each importing them again.
 
 A cell's Learner or runner spends 10-30 s of CPU importing its libraries before it does any work;
 a cell rebuilt after a fault pays it again, and a test suite that starts hundreds of actors pays
@@ -15,12 +15,16 @@ client, so Ray's kill of the process it started still kills the worker). The wor
 with the raylet under its own pid, as in a container.
 
 * One zygote per environment: a hash of the interpreter, the preload list, the environment
-  (per-worker variables left out) and the package's source mtimes. It starts with the first
-  worker that finds none, and leaves after ``IDLE_S`` with nothing to serve.
+  (``NOT_KEYED``: per-worker variables and those its imports set left out) and this file's
+  mtime. It starts with the first worker that finds none, holds ``<socket>.lock`` (``flock``)
+  for its life, and leaves after ``IDLE_S`` with nothing to serve.
 * Until it has imported everything (tens of seconds), workers start the ordinary way; a worker
   never waits for it. ``RX_ZYGOTE=0`` turns the client into the ordinary start.
-* A fork is fork-safe here: the zygote only imports (no CUDA, no threads of its own), and the
-  child re-seeds NumPy and sets torch's threads from its own ``OMP_NUM_THREADS``.
+* It watches each client's liveness pipe and kills the worker of a client that is gone; a
+  client outlives a zygote that died, with its worker (a pidfd).
+* A fork is fork-safe here: the zygote only imports (never Ray, no CUDA; BLAS pools of one
+  thread), and the child takes on its own environment, re-seeds NumPy and sets torch's threads
+  from the ``OMP_NUM_THREADS`` Ray gives the task.
 
 The client imports nothing beyond the standard library.
 """
@@ -56,9 +60,12 @@ NOT_KEYED = ("RAY_RAYLET_PID", "RAY_JOB_ID", "RAY_LD_PRELOAD_ON_WORKERS", "SPT_N
              "TILELANG_CLEANUP_TEMP_FILES", "RAY_CLIENT_MODE", "PYGAME_HIDE_SUPPORT_PROMPT",
              "TF_CPP_MIN_LOG_LEVEL")
 """Variables not part of the zygote's key: they differ between workers of one environment, are
-read after the preloaded imports (the child gets its own), or are set by those imports. The
-prefixes ``VLLM_`` (read when used) and ``PYTEST_`` are left out too. Any other difference,
-e.g. a job's ``env_vars``, is another environment."""
+read after the preloaded imports (the child gets its own), or are set by those imports. Any
+other difference, e.g. a job's ``env_vars``, is another environment."""
+NOT_KEYED_PREFIXES = ("PYTEST_", "VLLM_", "WANDB_", "MLFLOW_", "_MLFLOW_", "CRC32C_")
+"""Left out too: vLLM's variables (read when used), and those of pytest and of the trackers'
+clients (W&B, MLflow: a driver that imported MLflow passes on a random session id), which no
+preloaded library reads."""
 _HDR = struct.Struct("!I")
 
 
@@ -84,7 +91,7 @@ def _key(preload: tuple[str, ...]) -> str:
     h.update(sys.executable.encode())
     h.update(",".join(preload).encode())
     for k in sorted(os.environ):
-        if k not in NOT_KEYED and not k.startswith(("PYTEST_", "VLLM_")):
+        if k not in NOT_KEYED and not k.startswith(NOT_KEYED_PREFIXES):
             h.update(f"{k}={os.environ[k]}\0".encode())
     h.update(str(os.stat(__file__).st_mtime_ns).encode())     # this file: the children's code
     return h.hexdigest()[:16]
