@@ -16,9 +16,9 @@ keeps its idle task workers (``RAY_num_workers_soft_limit``), as the package's e
 (``cells.ray_edge.KEEP_TASK_WORKERS``): on a few logical CPUs Ray would otherwise start a fresh
 worker for every join and gradient-sum task.
 
-Every such Ray's workers fork from one pre-imported interpreter (``ray_xlong.zygote``, through
-``RAY_RUNTIME_ENV_HOOK``) instead of importing torch, transformers and vLLM's tool parsers again,
-~20 s of CPU per cell actor (``RX_ZYGOTE=0``: the ordinary start).
+``RAY_RUNTIME_ENV_HOOK=ray_xlong.zygote.hook make test-all`` forks every such Ray's workers from
+one pre-imported interpreter (``ray_xlong.zygote``). It is not on by default: in a clean-clone
+run of the whole suite it did not shorten the first phase (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import pytest
 from tests.shared import check_serial_marks_are_in_their_files, clean_tracker_env, shared_dir
 
 os.environ.setdefault("RAY_num_workers_soft_limit", "64")
-os.environ.setdefault("RAY_RUNTIME_ENV_HOOK", "ray_xlong.zygote.hook")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER:
     os.environ["RAY_TMPDIR"] = f"{os.environ.get('RAY_TMPDIR', '/tmp/ray')}_{_WORKER}"
