@@ -86,7 +86,8 @@ def test_the_client_runs_its_script_as_the_zygotes_fork_and_ends_as_it_ends(serv
     run, path = served
     proc = run("exit", "3", mark="own")
     _, ppid, mark = proc.stdout.readline().split()
-    assert f"--serve {path}" in _cmdline(int(ppid)) and mark == "own"   # its own environment
+    assert f"zygote_server.py {path}" in _cmdline(int(ppid))
+    assert mark == "own"                                   # its own environment
     assert proc.wait(30) == 3
     proc = run("kill")
     proc.stdout.readline()
@@ -150,7 +151,7 @@ def test_ray_workers_fork_from_the_zygote_across_ray_sessions(monkeypatch, tmp_p
                 ppids = {i["ppid"] for i in infos}
                 assert len(ppids) == 1, infos
                 (ppid,) = ppids
-                assert f"--serve {path}" in _cmdline(ppid)
+                assert f"zygote_server.py {path}" in _cmdline(ppid)
                 zygote_pid = zygote_pid or ppid
                 assert ppid == zygote_pid                  # one zygote for both sessions
                 assert [i["raylet"] for i in infos] == [raylet, raylet]     # this session's
