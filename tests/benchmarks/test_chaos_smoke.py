@@ -1,12 +1,12 @@
 """The CI version of the chaos run (``benchmarks/chaos.py --smoke``: faults of random kinds every
-10-20 s for 90 seconds while the elastic job learns, on a 3-node ``cluster_utils`` cluster):
-nothing lost, nothing trained twice, faults of several kinds injected and recovered from, the
-JSON fields. The reward trend is reported, not asserted: 60 steps are too few for it to
+8-14 s for 45 seconds while the elastic job learns, on a 3-node ``cluster_utils`` cluster):
+nothing lost, nothing trained twice, faults of every kind injected and recovered from, the
+JSON fields. The reward trend is reported, not asserted: 36 steps are too few for it to
 rise above the noise (the 20-minute run in docs/benchmarks.md is where it is read).
 
-Seed 9 draws node 15 s, learner 27 s, runner 46 s, driver 59 s, runner 78 s after the first
-checkpoint: every kind, the node early, one driver restart (seed 1 drew three driver restarts
-and no node; each restart starts every cell again)."""
+Seed 9 draws node 10.8 s, learner 20.4 s, runner 33.6 s, driver 43.6 s after the first
+checkpoint: every kind once, the node first, the driver restart last (each restart starts every
+cell again)."""
 
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ def test_chaos_smoke(tmp_path, warm_cache):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "| runs lost | trained twice |" in proc.stdout
     r = json.loads(out.read_text())
-    assert r["minutes"] == 1.5 and r["audit_ok"] and r["versions_consistent"]
+    assert r["minutes"] == 0.75 and r["audit_ok"] and r["versions_consistent"]
     assert r["runs_lost"] == 0 and r["runs_trained_twice"] == 0
-    assert r["faults_total"] >= 2, r["faults_injected"]
+    assert r["faults_total"] >= 4, r["faults_injected"]
     assert set(r["faults_injected"]) == {"runner", "learner", "node", "driver"}
-    assert r["faults_injected"]["node"] >= 1                # the schedule's first fault
+    assert min(r["faults_injected"].values()) >= 1, r["faults_injected"]   # each kind fired
     assert len(r["rewards"]) == r["steps"] == r["total_steps"]
     assert {"reward_first", "reward_last", "reward_slope", "reward_rising"} <= set(r)
