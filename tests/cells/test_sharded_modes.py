@@ -45,56 +45,56 @@ def test_cuda_ranks_on_cells_without_gpus_fail_before_anything_starts(tmp_path):
                       sharding=ShardingSettings(ranks_per_cell=2, device="cuda"))
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_cuda_on_logical_gpus_is_an_error_before_any_actor_starts(tmp_path):
-    """Logical GPUs (``ray.init(num_gpus=2)``, no CUDA): a config asking for CUDA learners
-    fails in ``create_cells`` naming the field, from the probe of bundle 0 — no runner or
-    learner was started (no NCCL tried) and the placement groups are gone."""
-    import ray
-    from ray.util import placement_group_table
-
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False,
-             object_store_memory=200 * 1024 ** 2)
-    try:
-        model_dir = str(build_tiny_model_dir(tmp_path / "m", seed=0))
-        cfg = dataclasses.replace(config(model_dir),
-                                  sharding=ShardingSettings(ranks_per_cell=1, device="cuda"))
-        with pytest.raises(ShardingError, match=r"ShardingSettings.device='cuda'.*CUDA devices"):
-            start_cells(cfg)
-        states = {t["state"] for t in placement_group_table().values()}
-        assert states <= {"REMOVED"}, states
-        deadline = time.monotonic() + 30     # a removed group's resources return async
-        while ray.available_resources().get("GPU") != 2.0 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert ray.available_resources().get("GPU") == 2.0
-    finally:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
-def sharded_pool(tmp_path_factory):
-    """One local Ray and one pool of 2 cells of 2 ranks for both modes: ``run_job`` resets the
-    pool to version 0 before each job (a mode and a weight sync are the job's, not the
-    pool's)."""
+def ray_2gpus(tmp_path_factory):
+    """One local Ray with 2 logical GPUs (no CUDA) for the module, and a tiny model."""
     import ray
 
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False,
              object_store_memory=300 * 1024 ** 2)
     try:
-        model_dir = str(build_tiny_model_dir(tmp_path_factory.mktemp("sm") / "m", seed=0))
-        cfg = config(model_dir)
-        pool = start_cells(cfg)
-        try:
-            assert all(isinstance(c.learner, ShardedCell) and len(c.learner) == 2
-                       for c in pool.cells)
-            yield cfg, pool
-        finally:
-            pool.shutdown()
+        yield str(build_tiny_model_dir(tmp_path_factory.mktemp("sm") / "m", seed=0))
     finally:
         ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_cuda_on_logical_gpus_is_an_error_before_any_actor_starts(ray_2gpus):
+    """Logical GPUs (``ray.init(num_gpus=2)``, no CUDA): a config asking for CUDA learners
+    fails in ``create_cells`` naming the field, from the probe of bundle 0 — no runner or
+    learner was started (no NCCL tried) and the placement groups are gone."""
+    import ray
+    from ray.util import placement_group_table
+
+    before = set(placement_group_table())
+    gpus = ray.available_resources().get("GPU")
+    cfg = dataclasses.replace(config(ray_2gpus),
+                              sharding=ShardingSettings(ranks_per_cell=1, device="cuda"))
+    with pytest.raises(ShardingError, match=r"ShardingSettings.device='cuda'.*CUDA devices"):
+        start_cells(cfg)
+    states = {t["state"] for k, t in placement_group_table().items() if k not in before}
+    assert states <= {"REMOVED"}, states
+    deadline = time.monotonic() + 30     # a removed group's resources return async
+    while ray.available_resources().get("GPU") != gpus and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("GPU") == gpus
+
+
+@pytest.fixture(scope="module")
+def sharded_pool(ray_2gpus):
+    """One pool of 2 cells of 2 ranks for both modes, on the module's Ray: ``run_job`` resets
+    the pool to version 0 before each job (a mode and a weight sync are the job's, not the
+    pool's)."""
+    cfg = config(ray_2gpus)
+    pool = start_cells(cfg)
+    try:
+        assert all(isinstance(c.learner, ShardedCell) and len(c.learner) == 2
+                   for c in pool.cells)
+        yield cfg, pool
+    finally:
+        pool.shutdown()
 
 
 @pytest.mark.ray
