@@ -83,14 +83,35 @@ def _rank(rank: int, world: int, model_dir: str, port: int, out: str) -> None:
                            "src": local.target_src + plan.start, "ids": local.target_ids,
                            "rounds": [len(parts) for parts in plan.ring.rounds]
                            if plan.ring else None}
+    if world == 4:      # the same 4 processes: context_parallel 2, a ring inside each pair
+        saved["ring_in_pairs"] = _ring_in_pairs(rank, plain)
     torch.save(saved, f"{out}/rank{rank}.pt")
 
 
-# 4 spawned ranks (and the two groups of two below): ~27 s each, in CI's full run; the
-# default suite keeps the 2-rank step
+def _ring_in_pairs(rank: int, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """On 4 ranks (the default group): context_parallel 2, each group's ring passes blocks
+    among its own two ranks; returns the cell's gradient (summed over both groups)."""
+    from ray_xlong.cells.context_parallel import make_groups
+
+    group = make_groups(4, 2, rank)
+    local, plan, _ = rank_share(tree_batch(), rank=rank, world_size=4, context_parallel=2,
+                                group=group, exchange="ring")
+    assert plan.ring.rounds and any(plan.ring.rounds[0]) == (rank % 2 == 1)
+    model.zero_grad()
+    logprobs = token_logprobs(model, local, plan=plan)
+    policy_loss(logprobs, local, LossConfig())[0].backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)                         # over both groups: the cell's gradient
+    return grads
+
+
+# 4 forked ranks: ~27 s in CI's full run; the default suite keeps the 2-rank step
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_context_parallel_step_equals_one_device(tmp_path, world):
-    # the cell's own step (LearnerRank, default exchange) and each exchange on the plain model
+    # the cell's own step (LearnerRank, default exchange) and each exchange on the plain model;
+    # on 4 ranks also context_parallel 2 in the same processes: the ring inside two groups of
+    # two (was test_the_ring_inside_two_groups_of_two_equals_one_device, 4 processes of its own)
     from ray_xlong.trajectory.tree_attention import register
 
     register()
@@ -121,49 +142,13 @@ def test_context_parallel_step_equals_one_device(tmp_path, world):
     rounds = [part["ring"]["rounds"] for part in parts]
     # the ring is exercised: some rank attends a block that came more than one hop (4 ranks)
     assert max(len(r) for r in rounds) == world // 2 and rounds[-1][-1] > 0
-    for grads in [parts[0]["grads"]] + [parts[0][x]["grads"] for x in EXCHANGES]:
+    cell_grads = [parts[0]["grads"]] + [parts[0][x]["grads"] for x in EXCHANGES]
+    if world == 4:      # 4 ranks, context_parallel 2: the ring inside two groups of two
+        cell_grads.append(parts[3]["ring_in_pairs"])
+    for grads in cell_grads:
         for name, p in model.named_parameters():
             scale = float(p.grad.abs().max())
             assert float((grads[name] - p.grad).abs().max()) <= 1e-4 * max(scale, 1e-12), name
-
-
-def _ring_group_rank(rank: int, model_dir: str, port: int, out: str) -> None:
-    from ray_xlong.cells.context_parallel import make_groups
-    from ray_xlong.trajectory.tree_attention import register
-
-    register()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=4)
-    group = make_groups(4, 2, rank)
-    model = load_model(model_dir, attn_implementation="xlong_tree")
-    local, plan, _ = rank_share(tree_batch(), rank=rank, world_size=4, context_parallel=2,
-                                group=group, exchange="ring")
-    assert plan.ring.rounds and any(plan.ring.rounds[0]) == (rank % 2 == 1)
-    logprobs = token_logprobs(model, local, plan=plan)
-    policy_loss(logprobs, local, LossConfig())[0].backward()
-    grads = {k: p.grad for k, p in model.named_parameters()}
-    for g in grads.values():
-        dist.all_reduce(g)                         # over both groups: the cell's gradient
-    torch.save({"grads": grads}, f"{out}/rank{rank}.pt")
-    dist.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_the_ring_inside_two_groups_of_two_equals_one_device(tmp_path):
-    # 4 ranks, context_parallel=2: each group's ring passes blocks among its own two ranks
-    from ray_xlong.trajectory.tree_attention import register
-
-    register()
-    model = tiny_causal_lm(TinyModelConfig(vocab_size=64), attn_implementation="xlong_tree")
-    model.save_pretrained(tmp_path / "model")
-    run_ranks(_ring_group_rank, (str(tmp_path / "model"), free_port(), str(tmp_path)), 4)
-    batch = tree_batch()
-    policy_loss(token_logprobs(model, batch, chunk_tokens=0), batch, LossConfig())[0].backward()
-    grads = torch.load(tmp_path / "rank3.pt")["grads"]
-    for name, p in model.named_parameters():
-        scale = float(p.grad.abs().max())
-        assert float((grads[name] - p.grad).abs().max()) <= 1e-4 * max(scale, 1e-12), name
 
 
 def test_rows_split_by_token_ranges_cover_every_target_once():
