@@ -1,8 +1,14 @@
-"""Tiny-budget smoke run of benchmarks/long_run.py (``--smoke``: 12 calls): harness and
-endpoint on ChatML and Llama-3, windowed and exact rule, each with its cost at call 10."""
+"""Tiny-budget smoke run of benchmarks/long_run.py: one process (``--smoke``: 12 calls) runs
+harness and endpoint on ChatML and Llama-3, windowed and exact rule, each with its cost at call
+10, and (``--train-steps 6``) a short long_horizon run through the harness whose tree trains on
+1 and 2 context-parallel ranks (gloo processes) to the same logprobs and gradients.
+
+Both parts share one interpreter's imports (they were two runs); ``--calls 0`` (train only, no
+rows) is checked on the script's ``run`` in this process."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -12,16 +18,17 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "long_run.py"
 
 
 @pytest.mark.benchmark
 @pytest.mark.slow
-def test_long_run_smoke(tmp_path):
+def test_long_run_smoke_and_train(tmp_path):
     out = tmp_path / "out.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_run.py"), "--smoke",
-                           "--result-chars", "400", "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--result-chars", "400",
+                           "--train-steps", "6", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = {(r["template"], r["side"], r["rule"]): r for r in data["rows"]}
@@ -33,22 +40,20 @@ def test_long_run_smoke(tmp_path):
         assert stats["mismatches"] == 0 and stats["unproven"] == 0, row
         assert (stats["windowed"] >= 9) == (rule == "windowed"), row
     assert "| chatml | harness | windowed |" in proc.stdout
-
-
-@pytest.mark.benchmark
-@pytest.mark.slow
-def test_long_run_train_smoke(tmp_path):
-    """A short long_horizon run through the harness, its tree trained on 1 and 2
-    context-parallel ranks (gloo processes): the same logprobs and gradients."""
-    out = tmp_path / "out.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "long_run.py"),
-                           "--calls", "0", "--train-steps", "6", "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["rows"] == []
     train = data["train"]
     assert train["calls"] == 6 + 2 * 2 + 1                 # a call a step, 2 delegated (+2 each)
     assert train["targets"] > 0 and train["row_tokens"] > train["targets"]
     assert train["max_abs_logprob_diff"] <= 1e-4 and train["max_rel_grad_diff"] <= 1e-4
+    assert "long run: 6 steps" in proc.stdout
+
+
+def test_no_calls_gives_no_rows(capsys):
+    """``--calls 0`` (a train-only run): no template, side or rule is measured, and the table
+    is left out."""
+    spec = importlib.util.spec_from_file_location("long_run_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    result = mod.run(calls=0, exact_calls=12, chars=400)
+    assert result["rows"] == [] and result["calls"] == 0
+    mod.show(result)
+    assert capsys.readouterr().out == ""
