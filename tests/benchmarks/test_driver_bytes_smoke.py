@@ -1,5 +1,6 @@
 """Tiny-budget smoke run of benchmarks/driver_bytes.py: one XLongAlgorithm step with the driver's
-traffic counted; the table and JSON come out and the driver never fetches a run's tokens."""
+traffic counted (2 groups × 2 runs); the table and JSON come out and the driver never fetches a
+run's tokens."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def test_driver_bytes_smoke(tmp_path, capsys, monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "out.json"
-    mod.main(["--smoke", "--seed", "1", "--json", str(out)])
+    mod.main(["--smoke", "--seed", "1", "--runs-per-group", "2", "--json", str(out)])
     data = json.loads(out.read_text())
     (step,) = data["steps"]
-    assert step["runs"] == 8 and step["bytes_in"] > 0 and step["bytes_out"] > 0
+    assert step["runs"] == 4 and step["bytes_in"] > 0 and step["bytes_out"] > 0
     assert "Bytes through the driver" in capsys.readouterr().out
