@@ -116,12 +116,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "named: the token PPO clip, one row per mode)")
     p.add_argument("--workdir", default=None, help="model cache (default: a temp dir)")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny budget: 2 steps of 2 groups × 2 runs, a 7-step warm start")
+                   help="tiny budget: 1 step of 2 groups × 2 runs, a 7-step warm start")
     args = p.parse_args(argv)
     if args.corrections and "all" in args.corrections:
         args.corrections = list(CORRECTIONS)
     if args.smoke:
-        args.steps, args.groups, args.runs_per_group = 2, 2, 2
+        args.steps, args.groups, args.runs_per_group = 1, 2, 2
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="rx-learning-")
     return args
 
