@@ -63,6 +63,20 @@ ENGINE_SETTINGS_KW = dict(gpu_memory_utilization=0.3, enable_prefix_caching=Fals
 cells)."""
 
 
+SHARED_RAY = dict(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
+"""The local Ray the shared algorithm is built in: 2 CPUs, 4 logical GPUs (2 cells × 2)."""
+
+
+def has_shared_resources(ray) -> bool:
+    """Whether a Ray is up with exactly :data:`SHARED_RAY`'s CPUs and GPUs (one the shared
+    algorithm can be built in, as in a Ray of its own)."""
+    if not ray.is_initialized():
+        return False
+    total = ray.cluster_resources()
+    return (total.get("CPU"), total.get("GPU")) == (SHARED_RAY["num_cpus"],
+                                                    SHARED_RAY["num_gpus"])
+
+
 def small_config(model_dir: str, *, mode: str = "elastic", seed: int = 0) -> XLongConfig:
     """2 cells, 2 groups × 4 runs per step, on a plain tiny model (plumbing, not learning)."""
     return (XLongConfig().lookup_recipe().training(train_batch_size_per_learner=8)

@@ -9,6 +9,8 @@ logged while it ran. ``test_algorithm.py`` (steps 1-2, the checkpoint), ``test_r
 (steps 1-3: RLlib's result check, documented keys, lifetime counters), ``test_export.py`` and
 ``test_evaluation_cells.py`` and ``test_learner_gpus.py`` read it; building cells and training
 cost ~30-60 s, paid once per test run (the pytest-xdist workers share it: ``trained_algo``).
+It is built in a running Ray of its size (``test_algorithm.py``'s module Ray, which its other
+algorithms share), else in a Ray of its own.
 """
 
 from __future__ import annotations
@@ -79,17 +81,20 @@ def trained_algo(tmp_path_factory) -> TrainedAlgo:
 def _train(root: pathlib.Path) -> TrainedAlgo:
     """Build, train, save and export the shared algorithm under ``root``."""
     ray = pytest.importorskip("ray")
-    from algo_helpers import ENGINE_SETTINGS_KW, RecordingCallbacks, small_config, user_task
+    from algo_helpers import (ENGINE_SETTINGS_KW, SHARED_RAY, RecordingCallbacks,
+                              has_shared_resources, small_config, user_task)
 
     from ray_xlong.models import build_tiny_model_dir
     from ray_xlong.rollout.engine_settings import EngineSettings
 
     ENGINE_SETTINGS = EngineSettings(**ENGINE_SETTINGS_KW)
     model_dir = str(build_tiny_model_dir(root / "policy", seed=0))
-    if ray.is_initialized():      # its own Ray: 2 logical GPUs, shut down when it is built
-        ray.shutdown()
-    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    own = not has_shared_resources(ray)     # a running Ray of the same size (test_algorithm's
+    if own:                                 # module Ray) serves; else its own, shut down when
+        if ray.is_initialized():            # the algorithm is built
+            ray.shutdown()
+        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rx", dir="/tmp")
+        ray.init(**SHARED_RAY)
     seen: list[str] = []
 
     class Keep(logging.Handler):
@@ -126,7 +131,8 @@ def _train(root: pathlib.Path) -> TrainedAlgo:
         algo.stop()
     finally:
         logging.getLogger("ray._common.deprecation").removeHandler(handler)
-        ray.shutdown()
+        if own:
+            ray.shutdown()
     return TrainedAlgo(results, path, weights, callbacks, seen, eval_runs=eval_runs,
                        trained_runs=trained_runs, spooled=spooled, exported=exported,
                        model_dir=model_dir, learner_gpus=learner_gpus, runner_gpus=runner_gpus,

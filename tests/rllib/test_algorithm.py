@@ -2,7 +2,12 @@
 RLlib-style metrics, user callbacks fire, checkpoints restore in a new process at the same
 iteration, policy version and task position, a task defined in the user's script reaches every
 cell (by factory; by a name registered in the driver), RLlib's ``.evaluation`` adds held-out
-results at its interval, and (slow) the reward rises on the learnable task."""
+results at its interval, and (slow) the reward rises on the learnable task. Learners on the
+cells' GPUs when sharded (issue 22 item 5), and the bare ``AgentEnvRunner`` as a Ray actor.
+
+Every algorithm here (the shared one when this process builds it, the restored one of the new
+process, which joins this Ray, the sharded, learning and colocated ones) runs in one module Ray
+of 2 CPUs and 4 logical GPUs, started once (each ``ray.init`` costs ~12 s of CPU)."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import pytest
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
-from algo_helpers import RecordingCallbacks, user_task  # noqa: E402
+from algo_helpers import SHARED_RAY, RecordingCallbacks, small_config, user_task  # noqa: E402
 from ray_xlong.rllib.algorithm_config import RECIPE_HARNESS, XLongConfig  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -28,9 +33,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
+    """The module's Ray (module docstring): the shared algorithm's size (``SHARED_RAY``)."""
+    if ray.is_initialized():
+        ray.shutdown()
     tmp = tempfile.mkdtemp(prefix="rx", dir="/tmp")   # short: Ray's socket paths fit 107 bytes
     os.environ["RAY_TMPDIR"] = tmp
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(**SHARED_RAY)
     yield tmp
     ray.shutdown()
 
@@ -43,9 +51,12 @@ def plain_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(trained_algo):
-    """The shared trained algorithm (``conftest.trained_algo``) as it was after two steps:
-    their results, its checkpoint and the Learner's weights then."""
+def trained(local_ray, request):
+    """The shared trained algorithm (``conftest.trained_algo``, built in the module's Ray when
+    this process builds it: asked for once that Ray is up, as pytest would set a session
+    fixture up before a module one) as it was after two steps: their results, its checkpoint
+    and the Learner's weights then."""
+    trained_algo = request.getfixturevalue("trained_algo")
     return trained_algo.results[:2], trained_algo.checkpoint, trained_algo.weights
 
 
@@ -84,7 +95,7 @@ def test_evaluation_results_come_at_the_interval_and_pass_rllibs_check(trained):
 
 
 @pytest.mark.slow
-def test_user_callbacks_fire(trained_algo):
+def test_user_callbacks_fire(trained, trained_algo):
     assert trained_algo.callbacks_seen == [("init", None), ("result", 1), ("result", 2)]
 
 
@@ -92,14 +103,14 @@ FROM_CHECKPOINT = textwrap.dedent("""
     import json, os, sys
     import ray, torch
     from ray_xlong.rllib.algorithm import XLongAlgorithm
-    path, out, module, module_root = sys.argv[1:5]
+    path, out, module, module_root, address = sys.argv[1:6]
     try:                           # the saved config names the test's callbacks class
         XLongAlgorithm.from_checkpoint(path)
         error = ""
     except ValueError as exc:
         error = str(exc)
     sys.path.insert(0, module_root)
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address=address, log_to_driver=False)       # the test's Ray: 4 logical GPUs
     algo = XLongAlgorithm.from_checkpoint(path)
     restored = [algo.training_iteration, algo.policy_version]
     before = algo.get_state()["xlong"]
@@ -124,19 +135,19 @@ FROM_CHECKPOINT = textwrap.dedent("""
 def test_from_checkpoint_continues_in_a_new_process(trained, tmp_path):
     """In a new process ``XLongAlgorithm.from_checkpoint`` builds from the saved config
     (callbacks included), restores the saved weights and version exactly (``restore_from_path``)
-    and trains on at the next step and version; a saved class that does not import is named."""
+    and trains on at the next step and version; a saved class that does not import is named.
+    The new process is a driver of its own, joining the module's Ray (its cells are its own)."""
     import torch
 
     _, path, weights = trained
-    ray.shutdown()                                         # the new process brings its own
     torch.save(weights, tmp_path / "saved.pt")
     module = RecordingCallbacks.__module__
     module_root = pathlib.Path(sys.modules[module].__file__).parents[module.count(".")]
-    env = dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="rx", dir="/tmp"),
-               PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    address = ray.get_runtime_context().gcs_address
     proc = subprocess.run([sys.executable, "-c", FROM_CHECKPOINT, str(path), str(tmp_path),
-                           module, str(module_root)], env=env, cwd=tmp_path, timeout=300,
-                          capture_output=True, text=True)
+                           module, str(module_root), address], env=env, cwd=tmp_path,
+                          timeout=300, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads((tmp_path / "r.json").read_text())
     assert "cannot load the saved config" in got.pop("error")
@@ -150,14 +161,12 @@ def test_from_checkpoint_continues_in_a_new_process(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_reward_rises_in_elastic_mode(warm_cache):
+def test_reward_rises_in_elastic_mode(local_ray, warm_cache):
     """The lookup recipe (warm start, lr 5e-4, 16 groups × 8 runs) on 2 elastic cells: the
     mean reward of steps 8-12 beats that of steps 1-3 by >= 0.3 (measured: 0.36 -> 0.80; the
     25-step curve went on to 0.93 at step 25, so the last 13 steps added CI time, not proof)."""
     from ray_xlong.cells.task_job import warm_started_model_dir
 
-    if ray.is_initialized():
-        ray.shutdown()
     model_dir = warm_started_model_dir(warm_cache, seed=1)
     algo = (XLongConfig().debugging(seed=1).lookup_recipe()
             .xlong(mode="elastic", cells=2, model_dir=model_dir, placement_strategy="PACK")
@@ -166,7 +175,6 @@ def test_reward_rises_in_elastic_mode(warm_cache):
         rewards = [algo.train()["env_runners"]["episode_return_mean"] for _ in range(12)]
     finally:
         algo.stop()
-        ray.shutdown()
     rise = float(np.mean(rewards[-5:]) - np.mean(rewards[:3]))
     assert rise >= 0.3, rewards
 
@@ -225,3 +233,68 @@ def test_a_users_learner_connector_piece_runs_on_the_training_batch(local_ray, p
     assert [r["xlong"]["policy_version"] for r in results] == [1, 2, 3]
     assert [r["xlong"]["runs"] for r in results] == [8, 8, 8]
     assert [r["evaluation"]["env_runners"]["num_episodes"] for r in results] == [4, 4, 4]
+
+
+@pytest.mark.slow
+def test_every_sharded_rank_holds_its_bundles_gpus(local_ray, plain_model):
+    """``.xlong(sharding=..., gpus_per_node=...)`` reaches the cells: every Learner rank holds
+    its bundle's GPUs in Ray's accounting (``ray.get_gpu_ids()`` inside the rank), the runner
+    asks for none and is pinned to them, and on logical GPUs (no CUDA) the ranks still train
+    on the CPU (moved from ``test_learner_gpus.py``: it shares this module's Ray)."""
+    from ray_xlong.cells.sharded_cell import ShardedCell
+    from ray_xlong.cells.sharding import ShardingSettings
+
+    def held(actor) -> list[str]:
+        return [str(i) for i in ray.get(actor.__ray_call__.remote(
+            lambda self: ray.get_gpu_ids()))]
+
+    def inside(actor, fn):
+        return ray.get(actor.__ray_call__.remote(fn))
+
+    # 2 cells × 1 bundle of 2 GPUs, 2 ranks a cell: each rank holds one GPU of its cell's bundle
+    config = small_config(plain_model).xlong(
+        gpus_per_node=2, sharding=ShardingSettings(ranks_per_cell=2, device="cpu"))
+    algo = config.build_algo()
+    try:
+        result = algo.train()                      # the ranks train (on the CPU: no CUDA)
+        assert result["xlong"]["policy_version"] == 1 and result["xlong"]["tokens_trained"] > 0
+        by_cell = []
+        for cell in algo.pool.cells:
+            assert isinstance(cell.learner, ShardedCell) and len(cell.learner.ranks) == 2
+            ids = [held(rank) for rank in cell.learner.ranks]
+            assert [len(i) for i in ids] == [1, 1] and ids[0] != ids[1]
+            by_cell.append(sorted(i[0] for i in ids))
+            assert held(cell.runner) == []             # the runner asks Ray for no GPU ...
+            visible = inside(cell.runner, lambda self: os.environ["CUDA_VISIBLE_DEVICES"])
+            assert visible == ",".join(by_cell[-1])    # ... and sees its Learner's
+            assert {inside(r, lambda self: str(self.device)) for r in cell.learner.ranks} \
+                == {"cpu"}
+        assert sorted(g for ids in by_cell for g in ids) == ["0", "1", "2", "3"]
+    finally:
+        algo.stop()
+
+
+@pytest.mark.slow
+def test_runner_as_a_ray_actor(local_ray, plain_model):
+    """``AgentEnvRunner`` as a Ray actor of its own, configured by RLlib's ``env_config``
+    (``xlong_rollout``): runs start, end and come back as episodes through Ray (moved from
+    ``test_env_runner.py``, whose other tests need no Ray: it shares this module's Ray)."""
+    from algo_helpers import scripted_factory
+    from ray.rllib.algorithms.ppo import PPOConfig
+
+    from ray_xlong.rllib.env_runner import AgentEnvRunner, RolloutConfig, RunSpec
+    from ray_xlong.rllib.episodes import runs_from_episodes
+    from ray_xlong.rollout import HarnessConfig
+
+    cfg = PPOConfig().environment(env_config={"xlong_rollout": RolloutConfig(
+        model_dir=plain_model, harness=HarnessConfig(max_new_tokens=16),
+        engine_factory=scripted_factory(plain_model))})
+    actor = ray.remote(num_cpus=1)(AgentEnvRunner).remote(config=cfg)
+    specs = [RunSpec("arithmetic", 7, f"gr{i}", "g") for i in range(3)]
+    ray.get(actor.start_runs.remote(specs))
+    episodes = ray.get(actor.sample.remote(min_runs=3, timeout_s=60))
+    runs = runs_from_episodes(episodes)
+    assert len(runs) == 3 and all(r.reward == 1.0 for r in runs)
+    assert np.all([c.output_ids.size > 0 for r in runs for c in r.calls])
+    ray.get(actor.stop.remote())
+    ray.kill(actor)

@@ -1,12 +1,10 @@
 """AgentEnvRunner: runs start, stay live, end into episodes; drain, sleep / wake, weights.
 
-Built directly (no Ray cluster: the runner's logic is the same inside an actor) and once as a
-Ray actor (marked ``ray``).
+Built directly (no Ray cluster: the runner's logic is the same inside an actor); as a Ray actor
+in ``test_algorithm.py::test_runner_as_a_ray_actor`` (that module's Ray).
 """
 
 from __future__ import annotations
-
-import tempfile
 
 import numpy as np
 import pytest
@@ -87,28 +85,6 @@ def test_bad_config_and_unknown_task_raise(model_dir):
         assert runner.num_live_runs() == 0
     finally:
         runner.stop()
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_runner_as_a_ray_actor(model_dir, monkeypatch):
-    import ray
-
-    monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rx", dir="/tmp"))  # short: sockets
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        cfg = PPOConfig().environment(env_config={"xlong_rollout": RolloutConfig(
-            model_dir=model_dir, harness=HarnessConfig(max_new_tokens=16),
-            engine_factory=scripted_factory(model_dir))})
-        actor = ray.remote(num_cpus=1)(AgentEnvRunner).remote(config=cfg)
-        ray.get(actor.start_runs.remote(specs(3)))
-        episodes = ray.get(actor.sample.remote(min_runs=3, timeout_s=60))
-        runs = runs_from_episodes(episodes)
-        assert len(runs) == 3 and all(r.reward == 1.0 for r in runs)
-        assert np.all([c.output_ids.size > 0 for r in runs for c in r.calls])
-        ray.get(actor.stop.remote())
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
