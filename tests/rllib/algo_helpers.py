@@ -1,6 +1,8 @@
 """What the shared trained algorithm (``conftest.trained_algo``) and the algorithm tests build
-on: a recording callbacks class, a task as a user's script defines it, and the small config
-(2 cells, 2 groups × 4 runs per step, on a plain tiny model: plumbing, not learning).
+on: a recording callbacks class, a task as a user's script defines it, the small config
+(2 cells, 2 groups × 4 runs per step, on a plain tiny model: plumbing, not learning) and the
+size of the local Ray they run in (``SHARED_RAY``: ``test_algorithm.py``'s module Ray, in which
+``conftest._train`` builds the shared algorithm when it is up).
 
 Imported as ``algo_helpers`` (this folder is on ``sys.path`` under pytest), so a saved config
 names ``algo_helpers.RecordingCallbacks``: a new process imports it only once the folder is on
