@@ -7,7 +7,6 @@ import json
 import pytest
 
 from ray_xlong.cli import main
-from ray_xlong.scheduling.events import from_jsonl
 
 
 @pytest.fixture
@@ -66,32 +65,6 @@ def test_bench_sim_prints_ratios_vs_elastic_and_writes_json(tmp_path, capsys):
         assert row["makespan_h"] >= data["lower_bound_h"] > 0
     png = tmp_path / "t.png"
     assert main(["timeline", str(events / "forecast.jsonl"), "--out", str(png)]) == 0
-    assert png.read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-@pytest.mark.benchmark
-def test_bench_on_ray_cells_and_timeline_of_the_driver_event_log(tmp_path, capsys):
-    """Tiny budget: elastic and forecast on real Ray cells beside the simulator (every paper
-    mode on cells: the modes_ray benchmark's smoke run); the Ray driver's event log (written as
-    JSONL) draws through ``timeline`` like the simulator's."""
-    out, events = tmp_path / "bench.json", tmp_path / "ev"
-    assert main(["bench", "--backend", "ray", "--size", "smoke", "--modes", "elastic",
-                 "--forecast", "--json", str(out), "--events-dir", str(events)]) == 0
-    assert "| mode | makespan s | sim s |" in capsys.readouterr().out
-    data = json.loads(out.read_text())
-    assert data["backend"] == "ray"
-    assert set(data["modes"]) == {"elastic", "forecast"}
-    for row in data["modes"].values():
-        assert row["violations"] == [] and row["makespan_s"] > 0 and row["vs_elastic"] > 0
-    ray_log = from_jsonl((events / "elastic.jsonl").read_text())
-    kinds = {e.kind for e in ray_log}
-    assert "micro_batch" in kinds and {"run_started", "run_ended", "step_ended"} <= kinds
-    assert [e.time for e in ray_log] == sorted(e.time for e in ray_log)
-    png = tmp_path / "ray.png"
-    assert main(["timeline", str(events / "elastic.jsonl"), str(events / "elastic-sim.jsonl"),
-                 "--time-unit", "seconds", "--out", str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -121,32 +121,3 @@ def dataclasses_replace(obj, **changes):
 
 def test_there_are_example_configs():
     assert len(EXAMPLES) >= 3
-
-
-@pytest.mark.slow
-@pytest.mark.ray
-def test_train_from_the_tracked_example_config_writes_every_tracker(tmp_path, warm_cache):
-    """``ray-xlong train --config examples/configs/smoke_hf_tracked.yaml`` (one RL step of the
-    lookup task through XLongAlgorithm on HF engines): the effective config, W&B offline run,
-    MLflow file store and TensorBoard events are written, and the driver's event log, which
-    ``ray-xlong timeline`` draws. Seed 1 in the shared model cache: the policy the main job's
-    test warm-starts (``make run``'s seed and chat style), not a warm start of its own."""
-    from ray_xlong.cli import main
-    from ray_xlong.scheduling.events import from_jsonl
-
-    out = tmp_path / "out"
-    assert main(["train", "--config", str(ROOT / "examples/configs/smoke_hf_tracked.yaml"),
-                 "--steps", "1", "--set", f"run.out={out}", "--set", "run.seed=1",
-                 "--set", f"run.workdir={warm_cache}"]) == 0
-    assert load_spec(str(out / "config.yaml"), base=TrainSpec()).run.trackers == ("wandb",
-                                                                                 "mlflow")
-    trackers = out / "trackers"
-    assert list(trackers.glob("wandb/offline-run-*/run-*.wandb"))
-    assert list(trackers.glob("mlruns/*/*/metrics/learners/default_policy/policy_loss"))
-    assert list(trackers.glob("ray_xlong_smoke/XLongAlgorithm_*/events.out.tfevents.*"))
-    events = from_jsonl((out / "events.jsonl").read_text())
-    assert {"run_started", "run_ended", "step_ended"} <= {e.kind for e in events}
-    png = tmp_path / "train.png"
-    assert main(["timeline", str(out / "events.jsonl"), "--time-unit", "seconds",
-                 "--out", str(png)]) == 0
-    assert png.read_bytes()[:4] == b"\x89PNG"

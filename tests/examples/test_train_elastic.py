@@ -1,4 +1,5 @@
-"""The README's main job and the enable example run end to end (tiny budgets)."""
+"""The README's main job (``make run``) end to end in its own process, shortened (the enable
+example and the other examples: tests/examples/test_examples_on_one_ray.py)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,6 @@ def run(args, tmp_path, timeout=400):
                          timeout=timeout, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
-
-
-@pytest.mark.slow
-def test_enable_on_existing_config_example(tmp_path):
-    out = run(["examples/enable_on_existing_config.py", "--steps", "2"], tmp_path)
-    assert "as expected: enable: 2 setting(s)" in out.stdout
-    assert "kept: lr=0.0003 grad_clip=0.5 runs/step=8" in out.stdout
-    assert "step 2: reward" in out.stdout
 
 
 @pytest.mark.slow

@@ -29,7 +29,8 @@ def free_port() -> int:
 
 SERVE_ENGINE = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 """The engine ``serve`` runs here: the default, vLLM, where it is installed (an HF engine behind
-the same server: tests/serving/test_agent_job.py and the endpoint benchmark's smoke run)."""
+the same server: tests/examples/test_examples_on_one_ray.py and the endpoint benchmark's smoke
+run)."""
 
 
 @pytest.mark.slow
