@@ -111,7 +111,7 @@ def _ring_in_pairs(rank: int, model: torch.nn.Module) -> dict[str, torch.Tensor]
 def test_context_parallel_step_equals_one_device(tmp_path, world):
     # the cell's own step (LearnerRank, default exchange) and each exchange on the plain model;
     # on 4 ranks also context_parallel 2 in the same processes: the ring inside two groups of
-    # two (was test_the_ring_inside_two_groups_of_two_equals_one_device, 4 processes of its own)
+    # two
     from ray_xlong.trajectory.tree_attention import register
 
     register()

@@ -271,8 +271,7 @@ def test_sharded_cells_reduce_and_hand_over_state_shard_to_shard(ray_local, row_
     gathered (no ``take_gradients``), every rank moves about its shard, each rank trains rows of
     its own (context_parallel 1), and both cells end on the plain-torch weights.
 
-    Then the cell's own checkpoint and export (was ``test_sharded_checkpoint``, which trained a
-    cell of its own the same 2 steps): every rank of cell 0 writes its shards with
+    Then the cell's own checkpoint and export: every rank of cell 0 writes its shards with
     ``dcp.async_save`` (over a gloo group of their own); another 2-rank cell, at version 0,
     loads them back to the same weights and Adam state bit for bit; the Hugging Face directory
     rank 0 writes (gathering one tensor at a time) and the one ``models.export`` reads from the

@@ -95,7 +95,7 @@ def test_openai_agent_example_trains_on_elastic_cells(local_ray, tmp_path, warm_
     assert len(curve["rewards"]) == 2 and curve["runs"] == 8
 
 
-# -- an external agent on the cells' endpoints (was tests/serving/test_agent_job.py) ---------
+# -- an external agent on the cells' endpoints -------------------------------------------------
 async def url_agent(base_url: str, task: dict) -> None:
     """Two chat turns with the openai client; writes the base URL it was handed."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
