@@ -9,7 +9,9 @@ The job (elastic, ``--cells`` cells, one worker node each, a head node without G
 driver; the warm-started tiny policy of the local RL recipe, ``--groups`` × ``--runs-per-group``
 runs per step, Adam at ``--lr``, checkpoints every ``--checkpoint-every`` steps and a run
 spool) runs in a driver process (``python -m benchmarks.tools.faults --chaos``). Its length is
-set to last about M minutes (``--step-s``: the expected seconds per step). The schedule: from
+set to last about M minutes (``--step-s``: the expected seconds per step), and the driver paces
+it so that it does not end before the fault window does (a fast machine would otherwise
+finish the job before its last faults: ``ChaosInjector``). The schedule: from
 the first checkpoint on, every uniform(``--gap-min``, ``--gap-max``) seconds until M minutes are
 over, one fault of a seeded random kind (``--kinds``):
 
@@ -166,7 +168,9 @@ def run(args) -> dict:
                                                   gap=(args.gap_min, args.gap_max), kinds=kinds))
                 tmp = settings + ".tmp"
                 with open(tmp, "wb") as f:
-                    pickle.dump({"schedule": list(plan), "seed": args.seed, "fired": fired}, f)
+                    # the driver paces the job to end no earlier than the window (+ 5 s)
+                    pickle.dump({"schedule": list(plan), "seed": args.seed, "fired": fired,
+                                 "until": now + args.minutes * 60 + 5.0}, f)
                 os.replace(tmp, settings)          # the driver process reads it on its next tick
             for due, token in list(down):
                 if now >= due:
@@ -264,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seed of the warm-started policy (--seed: the faults and the tasks)")
     p.add_argument("--lr", type=float, default=CHAOS_LR, help="the Learner's Adam learning rate")
     args = p.parse_args(argv)
-    if args.smoke:             # CI: 45 s of faults 8-14 s apart, a 36-step job (a quiet
-        # machine runs a step in ~1 s, slower while it recovers: every fault falls inside the
-        # job; a slow one does not train on for minutes after the window)
+    if args.smoke:             # CI: 45 s of faults 8-14 s apart, a 36-step job (paced: every
+        # fault falls inside the job on a fast machine; a slow one does not train on for
+        # minutes after the window)
         args.minutes, args.step_s, args.gap_min, args.gap_max = 0.75, 1.25, 8.0, 14.0
     bad = set(args.kinds.split(",")) - set(KINDS)
     if bad or args.cells < 2 or not 0 < args.gap_min <= args.gap_max or args.minutes <= 0:

@@ -247,7 +247,13 @@ class ChaosInjector:
     appended to the settings' ``fired`` file. The settings (a pickled ``{"schedule", "seed",
     "fired", "rewards"}``) are read again whenever the file changes (the parent writes the
     schedule once the job's first checkpoint exists). Also an actuator observer: the reward of
-    every delivered run goes to the ``rewards`` file as it arrives."""
+    every delivered run goes to the ``rewards`` file as it arrives.
+
+    Pacing: the settings' ``until`` (unix seconds, the fault window's end) holds the job back so
+    that it cannot end before its faults: from the moment this driver reads the schedule, the
+    steps left are spread evenly up to ``until`` (a step no earlier than its share of that
+    time; due faults still fire while the loop is held). A machine slower than that pace is
+    never held; after ``until`` the job runs free."""
 
     def __init__(self, settings_path: str, *, rewards_path: str) -> None:
         import os
@@ -256,6 +262,8 @@ class ChaosInjector:
         self.mtime = None
         self.todo: collections.deque = collections.deque()
         self.fired_path = None
+        self.until: float | None = None
+        self.pace_from: tuple[float, int] | None = None     # (time, version) at the schedule
         self.inner = FaultInjector(FaultPlan(seed=os.getpid()), SchedulingConfig(1, 1, 1, 0))
 
     def _load(self) -> None:
@@ -278,9 +286,23 @@ class ChaosInjector:
         self.inner.rng = random.Random(c["seed"] * 1000 + len(done))
         self.todo = collections.deque(f for f in c["schedule"]
                                       if f.kind in ("runner", "learner") and f.index not in done)
+        self.until, self.pace_from = c.get("until"), None
 
     def tick(self, act: Any) -> None:
         self._load()
+        self._fire_due(act)
+        if self.until is None or act.m.done:
+            return
+        if self.pace_from is None:
+            self.pace_from = (time.time(), act.m.version)
+        t0, v0 = self.pace_from
+        left = max(1, act.cfg.job.total_steps - v0)
+        due = t0 + (self.until - t0) * (act.m.version + 1 - v0) / left   # the next version's
+        while time.time() < min(due, self.until):
+            time.sleep(min(0.05, max(0.0, due - time.time())))
+            self._fire_due(act)
+
+    def _fire_due(self, act: Any) -> None:
         while self.todo and self.todo[0].at <= time.time():
             fault = self.todo[0]
             if not self.inner._fire(fault.kind, act):

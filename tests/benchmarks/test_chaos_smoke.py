@@ -44,3 +44,43 @@ def test_chaos_smoke(tmp_path, warm_cache):
     assert min(r["faults_injected"].values()) >= 1, r["faults_injected"]   # each kind fired
     assert len(r["rewards"]) == r["steps"] == r["total_steps"]
     assert {"reward_first", "reward_last", "reward_slope", "reward_rising"} <= set(r)
+
+
+
+def _pace(tmp_path, monkeypatch, *, until_s: float, steps: int, step_s: float):
+    """Run a ``steps``-step job whose steps take ``step_s`` under a ``ChaosInjector`` whose
+    window ends ``until_s`` from now: (seconds at which each version was reached, seconds the
+    injector held the loop in all)."""
+    import pickle
+    import time
+    import types
+
+    import benchmarks.tools.faults as tools
+
+    held = []
+    monkeypatch.setattr(tools, "time", types.SimpleNamespace(
+        time=time.time, sleep=lambda s: held.append(s) or time.sleep(s)))
+    settings = tmp_path / "chaos.pkl"
+    settings.write_bytes(pickle.dumps({"schedule": [], "seed": 1, "fired": str(tmp_path / "f"),
+                                       "until": time.time() + until_s}))
+    m = types.SimpleNamespace(version=0, done=False)
+    act = types.SimpleNamespace(m=m, cfg=types.SimpleNamespace(
+        job=types.SimpleNamespace(total_steps=steps)))
+    injector = tools.ChaosInjector(str(settings), rewards_path=str(tmp_path / "r"))
+    t0, marks = time.time(), []
+    while m.version < steps:
+        injector.tick(act)
+        time.sleep(step_s)
+        m.version += 1
+        marks.append(time.time() - t0)
+    return marks, sum(held)
+
+
+def test_the_chaos_driver_paces_a_fast_job_to_its_fault_window(tmp_path, monkeypatch):
+    """A job faster than its fault window is held so that its steps spread over the window
+    (version v no earlier than v/N of it; the last at its end); a job slower than that pace is
+    held only for the first step's share."""
+    fast, _ = _pace(tmp_path, monkeypatch, until_s=1.2, steps=4, step_s=0.0)
+    assert all(t >= 0.3 * (v + 1) - 0.01 for v, t in enumerate(fast)), fast
+    _, held = _pace(tmp_path, monkeypatch, until_s=0.4, steps=4, step_s=0.2)
+    assert held <= 0.1 + 1e-6, held              # the first step's 0.1 s, then never again
