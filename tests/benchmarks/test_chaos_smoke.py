@@ -46,7 +46,6 @@ def test_chaos_smoke(tmp_path, warm_cache):
     assert {"reward_first", "reward_last", "reward_slope", "reward_rising"} <= set(r)
 
 
-
 def _pace(tmp_path, monkeypatch, *, until_s: float, steps: int, step_s: float):
     """Run a ``steps``-step job whose steps take ``step_s`` under a ``ChaosInjector`` whose
     window ends ``until_s`` from now: (seconds at which each version was reached, seconds the
