@@ -246,7 +246,7 @@ class RayActuator:
             try:
                 value = s.ray.get(ref)
             except s.ray.Error as exc:
-                if p.kind == "switch":    # its Learner did not load the step's state
+                if p.kind in ("switch", "load"):  # its Learner did not load the step's state
                     s.learners.wake_failed(p.cell)
                     broke = transfer_broke(exc)
                     if broke or (s.ray.lost(exc) and s.ray.alive(self.cells[p.cell].learner)
@@ -316,11 +316,16 @@ class RayActuator:
         pass
 
     def _on_switch(self, p: Pending, value: Any) -> None:
+        self.state.learners.woke(p.cell)      # the state it was sent (if any) loaded
         self.stats["switch_s"].append(self.now() - p.issued)
         if self.m.role[p.cell] is Role.SYNCING:  # sent back before its switch ended: the
             return                              # sync's end makes it ready
         self.state.awake.add(p.cell)
         self.ready(p.cell)
+
+    def _on_load(self, p: Pending, value: Any) -> None:
+        self.state.learners.woke(p.cell)      # the step's state loaded: it takes micro-batches
+        self.state.awake.add(p.cell)
 
     def _on_sync(self, p: Pending, value: Any) -> None:
         s = self.state
@@ -380,6 +385,12 @@ class RayActuator:
                 ref = s.learners.join(cell, after=after)
             if not was_training:
                 s.pending[ref] = Pending("switch", cell, self.now())
+            elif s.learners.brings_state(cell):
+                # awake (reserved) but behind: no micro-batch before the state loaded, and a
+                # load that fails (its holder's node lost mid-transfer) is recovered like a
+                # switch's
+                s.awake.discard(cell)
+                s.pending[ref] = Pending("load", cell, self.now())
         elif isinstance(move, Sync):
             self.m.busy_until(cell, INF)
             s.awake.discard(cell)

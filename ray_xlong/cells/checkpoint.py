@@ -106,8 +106,7 @@ def _lead(job: JobState) -> int | None:
     """A cell whose Learner holds the current state (the last step's lead first; None: no
     holder is left)."""
     g = job.learners
-    holders = [c for c, v in enumerate(g.learner_version)
-               if v == g.version and c not in job.retired]
+    holders = [c for c in g.holders() if c not in job.retired]
     if g.lead in holders:
         return g.lead
     return holders[0] if holders else None

@@ -183,13 +183,19 @@ class ElasticLearnerGroup:
         """(holder, joiner) of each joiner's last peer-to-peer state transfer."""
         self._state_from: int | None = None
         """The holder the last :attr:`state_ref` came from (None: the kept copy)."""
-        self._before_join: dict[int, int] = {}
-        """The version a cell's Learner held when it joined the step behind (until it sleeps)."""
+        self._loading: dict[int, int] = {}
+        """Cells that joined the step behind, whose wake-up (which loads the state) has not
+        been seen to succeed: the version their Learner held before. Until :meth:`woke`, such a
+        cell counts as a holder of nothing (its Learner may still hold the old state)."""
 
     # -- where the current state lives (the driver holds refs only) ----------------------------
     def holders(self) -> list[int]:
-        """Cells whose learner holds the current version (weights and optimizer state)."""
-        return [c for c, v in enumerate(self.learner_version) if v == self.version]
+        """Cells whose learner holds the current version (weights and optimizer state): it
+        applied the last step, or its load of that state was seen to succeed. A joiner whose
+        wake-up is still loading is none: its state source may be lost before the load runs,
+        and a state asked of it then would be its old one."""
+        return [c for c, v in enumerate(self.learner_version)
+                if v == self.version and c not in self._loading]
 
     @property
     def state_ref(self) -> Any:
@@ -241,6 +247,7 @@ class ElasticLearnerGroup:
         replayed the steps since): it becomes the lead holder; weights are taken from it anew."""
         self.learners[cell] = learner
         self.learner_version[cell] = version
+        self._loading.pop(cell, None)
         self.lead = cell
         self._weights = None
 
@@ -304,19 +311,29 @@ class ElasticLearnerGroup:
         self.members.append(cell)
         self.held.setdefault(cell, [])
         if state is not None:
-            self._before_join[cell] = self.learner_version[cell]
+            self._loading[cell] = self.learner_version[cell]
         else:
-            self._before_join.pop(cell, None)
+            self._loading.pop(cell, None)
         self.learner_version[cell] = self.version
         return self.learners[cell].wake_up.remote(state, after)
+
+    def brings_state(self, cell: int) -> bool:
+        """``cell`` joined the step behind and its wake-up, which loads the state, has not
+        been seen to succeed (:meth:`woke`) or fail (:meth:`wake_failed`). Its Learner must
+        not train before that."""
+        return cell in self._loading
+
+    def woke(self, cell: int) -> None:
+        """``cell``'s wake-up into the step succeeded: it holds the step's version."""
+        self._loading.pop(cell, None)
 
     def wake_failed(self, cell: int) -> None:
         """``cell``'s wake-up into the step failed (``join`` counted it a holder of the step's
         version at once): its Learner still holds what it held before (a state that did not
         arrive loads nothing; a lost dependency means the call never ran), so the next join
         brings the state along if it was behind."""
-        if cell in self._before_join:
-            self.learner_version[cell] = self._before_join.pop(cell)
+        if cell in self._loading:
+            self.learner_version[cell] = self._loading.pop(cell)
 
     def transfer_failed(self, cell: int) -> None:
         """``cell``'s state transfer from its holder broke: their group is made anew next
@@ -368,6 +385,7 @@ class ElasticLearnerGroup:
         it again to keep it training) and loads the latest state when it next joins."""
         self.learners[cell] = learner
         self.learner_version[cell] = -1
+        self._loading.pop(cell, None)
         redo = self.held.pop(cell, [])
         if cell in self.members:
             self.members.remove(cell)
@@ -400,9 +418,11 @@ class ElasticLearnerGroup:
             done, dead = outcome
         for c in done:
             self.learner_version[c] = new
+            self._loading.pop(c, None)         # it applied the step: its load went through
         for c in members:
             if c not in done:
                 self.learner_version[c] = -1     # behind (or dead): reloads when it joins
+                self._loading.pop(c, None)
         self.lead = done[0]
         self.version, self.step, self.members = new, -1, []
         self.held, self.banked = {}, []
@@ -486,7 +506,7 @@ class ElasticLearnerGroup:
 
     def sleep(self, cell: int):
         """Put ``cell``'s learner to sleep (it lends memory to the engine). Returns a ref."""
-        self._before_join.pop(cell, None)     # its wake-up went through
+        self._loading.pop(cell, None)     # its wake-up went through
         return self.learners[cell].sleep.remote()
 
     def _gradient(self, ref: Any) -> Any:

@@ -22,7 +22,8 @@ class Pending:
     """A call the driver waits for."""
 
     kind: str
-    """``ended`` (a runner's ``wait_ended``), ``started``, ``switch``, ``sync`` or ``micro``."""
+    """``ended`` (a runner's ``wait_ended``), ``started``, ``switch``, ``load`` (an awake
+    Learner that joined a step behind loads its state), ``sync``, ``micro`` or ``eval``."""
     cell: int
     """The cell whose actor answers."""
     issued: float

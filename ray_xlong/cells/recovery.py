@@ -41,7 +41,7 @@ from ray_xlong.cells.shard_checkpoint import latest
 from ray_xlong.scheduling import Event, Role
 
 RUNNER_KINDS = ("ended", "started", "sync", "switch")  # pending kinds a runner death voids
-LEARNER_KINDS = ("micro", "switch", "sync")  # pending kinds a learner death invalidates
+LEARNER_KINDS = ("micro", "switch", "load", "sync")  # pending kinds a learner death voids
 REBUILD_TRIES = 3  # a returned node's cell whose state load is lost this often fails the job
 
 
@@ -215,8 +215,8 @@ class Recovery:
                 self.reload_checkpoint(f"cell {cell}'s new learner found no holder of the "
                                        f"state", cell=cell)
             try:
-                s.ray.get([learner.set_xlong_state.remote(s.learners.state_ref),
-                           learner.sleep.remote()])
+                loaded, _ = s.ray.get([learner.set_xlong_state.remote(s.learners.state_ref),
+                                       learner.sleep.remote()])
                 break
             except s.ray.Error as exc:
                 # the new Learner alive, the state it was sent lost: its source went with a
@@ -225,7 +225,9 @@ class Recovery:
                     raise
                 s.learners.state_ref_lost()
         redo = s.learners.replace(cell, learner)
-        s.learners.learner_version[cell] = s.learners.version
+        # what it loaded, not what it was meant to: a state older than the group's (a holder
+        # counted wrongly) makes the cell load the current one when it next joins
+        s.learners.learner_version[cell] = int(loaded)
         return redo
 
     def _restore_role(self, cell: int, dropped: set[str], runner_new: bool,
@@ -238,7 +240,7 @@ class Recovery:
         elif role is Role.TRAINING:
             after = self.actions.rcall(cell, "suspend") if runner_new else None
             in_step = s.m.step >= 0 and s.m.step_of[cell] == s.m.step
-            if "switch" in dropped or learner_new:
+            if dropped & {"switch", "load"} or learner_new:
                 s.in_flight.pop(cell, None)
                 s.awake.discard(cell)
                 if in_step:
@@ -336,8 +338,7 @@ class Recovery:
         it since)."""
         s = self.state
         g = s.learners
-        return [c for c, v in enumerate(g.learner_version)
-                if v == g.version and c not in s.retired and s.ray.alive(g.learners[c])]
+        return [c for c in g.holders() if c not in s.retired and s.ray.alive(g.learners[c])]
 
     def state_lost(self) -> bool:
         """No copy of the current state is left: no holder is alive and the group keeps no

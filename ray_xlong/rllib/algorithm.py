@@ -226,7 +226,7 @@ class XLongAlgorithm(Algorithm):
         checkpoint into cell 0's first when the algorithm has not trained yet)."""
         if self.actuator is not None:
             g = self.actuator.learners
-            holders = [c for c, v in enumerate(g.learner_version) if v == g.version]
+            holders = g.holders()
             cell = g.lead if g.lead in holders else holders[0]
             return g.learners[cell]
         lead = self.pool.cells[0].learner

@@ -375,7 +375,7 @@ def test_a_switch_that_fails_with_its_runner_leaves_the_learner_behind_and_reloa
     job = FakeJob.make(fake_config(tmp_path, steps=5))
     act = job.actuator()
     act.injector = OnceWhen(_kill_at_the_first_pending(
-        "switch", "runner", also=lambda a, p: p.cell in a.learners._before_join))
+        "switch", "runner", also=lambda a, p: a.learners.brings_state(p.cell)))
     result = act.run()
     assert act.injector.fired is not None, "no cell joined a step behind"
     assert [f.kind for f in result.faults if f.cell == act.injector.fired][:1] == ["runner"]
@@ -455,4 +455,73 @@ def test_a_rebuilt_learner_whose_state_source_is_lost_loads_from_another(tmp_pat
     cell, source = act.injector.fired
     kinds = [(f.kind, f.cell) for f in result.faults]
     assert ("learner", cell) in kinds and ("node", source) in kinds
+    audit(job, result)
+
+
+def test_a_holder_lost_before_a_joiner_loaded_its_state_is_not_taken_for_the_joiner(tmp_path):
+    """A cell joins a step behind (its wake-up will load the state from the one holder) and
+    the holder's Learner dies before that load ran. The joiner is no holder until its load
+    succeeded: the holder's rebuild takes the state from the kept copy or the checkpoint —
+    before, it took it from the joiner, whose failed load left it on the old version, and two
+    Learners the driver counted current trained on old weights (the version check failed the
+    driver: the intermittent failure of the fault suite's together job)."""
+    job = FakeJob.make(fake_config(tmp_path, steps=5, checkpoint=True))
+    act = job.actuator()
+
+    def kill_holder(a):
+        g = a.learners
+        loading = [c for c in g.members if g.brings_state(c)] if g and g.step >= 0 else []
+        holders = [c for c in range(len(a.cells)) if c not in loading
+                   and g.learner_version[c] == g.version and not a.cells[c].learner.dead]
+        if loading and holders:
+            a.cells[holders[0]].learner.kill()
+            return holders[0]
+        return None
+
+    act.injector = OnceWhen(kill_holder)
+    result = act.run()
+    assert act.injector.fired is not None, "no holder alongside a loading joiner"
+    assert ("learner", act.injector.fired) in [(f.kind, f.cell) for f in result.faults]
+    audit(job, result)
+
+
+def test_a_training_cell_behind_loads_before_it_trains_and_a_failed_load_is_recovered(
+        tmp_path):
+    """A cell idle in training (the async mode's pool) whose Learner holds an unknown version
+    (``replace``: as after a member's reduce failed without its death) starts or joins the
+    next step: its wake-up brings the state, and it takes no micro-batch before that load
+    succeeded. Here the load fails (its source's Learner dies first): the failed load is
+    recovered like a failed switch (the cell's Learner rebuilt on the checkpoint) — before,
+    that wake-up was not watched, and the cell trained on its old version (the driver
+    failed)."""
+    from ray_xlong.scheduling import Role
+
+    job = FakeJob.make(fake_config(tmp_path, mode="async", steps=5, checkpoint=True))
+    act = job.actuator()
+    killed: list[int] = []
+
+    def forget_a_holder(a):
+        g = a.learners
+        if g is None or g.step >= 0:
+            return None
+        idle = [c for c in g.holders() if a.m.role[c] is Role.TRAINING]
+        if len(g.holders()) < 2 or not idle:
+            return None
+        g.replace(idle[0], a.cells[idle[0]].learner)     # its version unknown from now on
+        return idle[0]
+
+    def kill_its_source(a):
+        g, cell = a.learners, act.injector.fired
+        if killed or not (g.step >= 0 and cell in g.members and g.brings_state(cell)):
+            return
+        assert cell not in a.state.awake        # no micro-batch before its state loaded
+        source = [c for c in g.holders() if c != cell][0]
+        a.cells[source].learner.kill()
+        killed.append(source)
+
+    act.injector = OnceWhen(forget_a_holder, then=kill_its_source)
+    result = act.run()
+    assert act.injector.fired is not None and killed, "the forgotten holder never joined"
+    cell = act.injector.fired
+    assert any(f.cell == cell and "state did not arrive" in f.why for f in result.faults)
     audit(job, result)
