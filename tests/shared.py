@@ -68,3 +68,19 @@ def clean_tracker_env():
         for k in [k for k in os.environ if k.startswith(TRACKER_ENV)]:
             del os.environ[k]
         os.environ.update(before)
+
+
+def load_script(path: pathlib.Path, name: str, *, register: bool = False):
+    """Import the script at ``path`` (a benchmark, a CI helper: not a package module) as module
+    ``name``. ``register``: put it in ``sys.modules`` (a dataclass of the script looks its
+    module up); not for a script with Ray tasks, which Ray would then pickle by a module name
+    its workers cannot import."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
 
+from tests.shared import load_script
+
 PATH = pathlib.Path(__file__).resolve().parents[1] / ".ci" / "uv_flags.py"
-spec = importlib.util.spec_from_file_location("uv_flags", PATH)
-uv_flags = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(uv_flags)
+uv_flags = load_script(PATH, "uv_flags")
 
 
 def test_pip_settings_become_uv_flags_the_variables_winning():

@@ -4,12 +4,13 @@ run's tokens."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import tempfile
 
 import pytest
+
+from tests.shared import load_script
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "driver_bytes.py"
 
@@ -19,9 +20,7 @@ pytestmark = [pytest.mark.benchmark, pytest.mark.ray, pytest.mark.rllib, pytest.
 def test_driver_bytes_smoke(tmp_path, capsys, monkeypatch):
     # a short temp dir: Ray's socket paths must stay under 107 bytes (pytest's tmp_path is long)
     monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rx", dir="/tmp"))
-    spec = importlib.util.spec_from_file_location("driver_bytes_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(SCRIPT, "driver_bytes_bench")
     out = tmp_path / "out.json"
     mod.main(["--smoke", "--seed", "1", "--runs-per-group", "2", "--json", str(out)])
     data = json.loads(out.read_text())

@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from tests.shared import load_script
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
@@ -19,10 +20,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check
 @pytest.mark.ray
 @pytest.mark.slow          # ~2-4 min on the shared 2-core machine (4 Ray actors start)
 def test_gpu_check_cpu_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("gpu_check_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod                 # its dataclass looks its module up
-    spec.loader.exec_module(mod)
+    mod = load_script(SCRIPT, "gpu_check_bench", register=True)
     out = tmp_path / "out.json"
     mod.main(["--device", "cpu", "--seed", "0", "--json", str(out)])
     stages = json.loads(out.read_text())["stages"]

@@ -3,11 +3,12 @@ with ``xlong_tree`` by default, and its tree step gives the per-trajectory gradi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
+
+from tests.shared import load_script
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "learner_step.py"
 
@@ -16,9 +17,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "learner_s
 @pytest.mark.rllib
 @pytest.mark.slow
 def test_learner_step_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("learner_step_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(SCRIPT, "learner_step_bench")
     out = tmp_path / "out.json"
     mod.main(["--smoke", "--seed", "1", "--dense", "--json", str(out)])
     data = json.loads(out.read_text())

@@ -8,7 +8,6 @@ rows) is checked on the script's ``run`` in this process."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -16,6 +15,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests.shared import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "long_run.py"
@@ -50,9 +51,7 @@ def test_long_run_smoke_and_train(tmp_path):
 def test_no_calls_gives_no_rows(capsys):
     """``--calls 0`` (a train-only run): no template, side or rule is measured, and the table
     is left out."""
-    spec = importlib.util.spec_from_file_location("long_run_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(SCRIPT, "long_run_bench")
     result = mod.run(calls=0, exact_calls=12, chars=400)
     assert result["rows"] == [] and result["calls"] == 0
     mod.show(result)

@@ -8,11 +8,12 @@ the async path on cells; elastic and forecast also run on cells in ``tests/test_
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
+
+from tests.shared import load_script
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "modes_ray.py"
 
@@ -21,9 +22,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "modes_ray
 @pytest.mark.ray
 @pytest.mark.slow
 def test_modes_ray_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("modes_ray", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(SCRIPT, "modes_ray")
     out_json, plots = tmp_path / "out.json", tmp_path / "plots"
     mod.main(["--smoke", "--seed", "0", "--json", str(out_json), "--plot-dir", str(plots),
               "--modes", "colocated", "elastic", "best_static"])

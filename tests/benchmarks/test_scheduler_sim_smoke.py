@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
+
+from tests.shared import load_script
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "scheduler_sim.py"
 
 
 @pytest.mark.benchmark
 def test_scheduler_sim_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("scheduler_sim", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(SCRIPT, "scheduler_sim")
     out_json, png = tmp_path / "out.json", tmp_path / "timeline.png"
     mod.main(["--preset", "paper-2.4t", "--seed", "0", "--steps", "2", "--no-sweeps",
               "--json", str(out_json), "--plot", str(png), "--compare-seeds", "0", "1"])
@@ -35,9 +34,7 @@ def test_scheduler_sim_smoke(tmp_path, capsys):
 
 @pytest.mark.benchmark
 def test_scheduler_sim_sweep_rows_carry_best_static_and_planned(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("scheduler_sim", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(SCRIPT, "scheduler_sim")
     out_json = tmp_path / "sweeps.json"
     mod.main(["--preset", "paper-2.4t-shift", "--seed", "0", "--steps", "2", "--sweeps-only",
               "--points", "cells=4", "staleness bound=1", "--json", str(out_json)])
@@ -55,9 +52,7 @@ def test_scheduler_sim_sweep_rows_carry_best_static_and_planned(tmp_path, capsys
 
 @pytest.mark.benchmark
 def test_scheduler_sim_gap_splits_the_makespan_into_the_window_parts(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("scheduler_sim", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(SCRIPT, "scheduler_sim")
     out = mod.main(["--preset", "paper-2.4t", "--seed", "0", "--steps", "2", "--gap",
                     "--points", "cells=4"])
     rows = out["gap"]

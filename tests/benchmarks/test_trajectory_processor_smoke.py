@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
+
+from tests.shared import load_script
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "trajectory_processor.py"
 
@@ -14,9 +15,7 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "trajector
 @pytest.mark.benchmark
 @pytest.mark.slow
 def test_trajectory_processor_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("trajectory_processor_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(SCRIPT, "trajectory_processor_bench")
     out = tmp_path / "out.json"
     mod.main(["--smoke", "--seed", "1", "--json", str(out)])
     data = json.loads(out.read_text())

@@ -7,23 +7,17 @@ The three runs share one Ray instance (each script starts its own only where non
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
 
+from tests.shared import load_script
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "weight_sync.py"
 GRAD_REDUCE = SCRIPT.parent / "grad_reduce.py"
 
 pytestmark = [pytest.mark.benchmark, pytest.mark.ray, pytest.mark.slow]
-
-
-def load(path: pathlib.Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ def ray_session():
 @pytest.fixture(scope="module")
 def bench(ray_session):
     """benchmarks/weight_sync.py's module."""
-    return load(SCRIPT, "weight_sync_bench")
+    return load_script(SCRIPT, "weight_sync_bench")
 
 
 def test_weight_sync_smoke(tmp_path, capsys, bench):
@@ -73,7 +67,7 @@ def test_grad_reduce_smoke(tmp_path, capsys, ray_session):
     """benchmarks/grad_reduce.py: every scheme gives every member the same sum, and the
     object-store schemes other than ``all`` move one gradient into a member."""
     out = tmp_path / "out.json"
-    load(GRAD_REDUCE, "grad_reduce_bench").main(["--smoke", "--seed", "1", "--json", str(out)])
+    load_script(GRAD_REDUCE, "grad_reduce_bench").main(["--smoke", "--seed", "1", "--json", str(out)])
     data = json.loads(out.read_text())
     schemes = data["schemes"]
     assert set(schemes) == {"all", "tree", "leader", "gloo"}
