@@ -3,8 +3,8 @@ the same workload; table, JSON shape and one timeline PNG per mode.
 
 ``async`` is not run on its own: at this size (2 cells, ``async_rollout=1``) ``best_static``'s
 real job is the async job with the same 1 / 1 split (``mode_bench.mode_policy``), so it runs
-the async path on cells; elastic and forecast also run on cells in ``tests/test_cli.py``'s
-``bench --backend ray``."""
+the async path on cells; elastic and forecast also run on cells in ``bench --backend ray``
+(``tests/examples/test_examples_on_one_ray.py``)."""
 
 from __future__ import annotations
 

@@ -67,7 +67,8 @@ def test_grad_reduce_smoke(tmp_path, capsys, ray_session):
     """benchmarks/grad_reduce.py: every scheme gives every member the same sum, and the
     object-store schemes other than ``all`` move one gradient into a member."""
     out = tmp_path / "out.json"
-    load_script(GRAD_REDUCE, "grad_reduce_bench").main(["--smoke", "--seed", "1", "--json", str(out)])
+    bench = load_script(GRAD_REDUCE, "grad_reduce_bench")
+    bench.main(["--smoke", "--seed", "1", "--json", str(out)])
     data = json.loads(out.read_text())
     schemes = data["schemes"]
     assert set(schemes) == {"all", "tree", "leader", "gloo"}
